@@ -1,0 +1,167 @@
+"""commwire: communication middleware for distributed training over MPI.
+
+Example:
+    >>> import commwire as cw, numpy as np
+    >>> cw.init()
+    >>> cw.allreduce(np.ones(3) * cw.rank(), op="sum")
+
+Collectives accept numpy arrays, torch tensors and cupy arrays and return the
+same kind of array on the same device. ``codec=`` compresses what goes on the
+wire (see ``commwire.codecs``). torch and cupy are imported only when such an
+array is passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _config
+from .comm import (
+    CollectiveMismatchError,
+    Communicator,
+    Handle,
+    cuda_aware,
+    finalize,
+    init,
+    install_abort_hook,
+    is_initialized,
+    local_rank,
+    local_size,
+    new_group,
+    rank,
+    size,
+    stats,
+    thread_level,
+    world,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveMismatchError",
+    "Communicator",
+    "Handle",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_object",
+    "cuda_aware",
+    "finalize",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "new_group",
+    "rank",
+    "reduce_scatter",
+    "size",
+    "stats",
+    "thread_level",
+    "world",
+]
+
+
+def _comm(comm: Communicator | None) -> Communicator:
+    return world() if comm is None else comm
+
+
+def allreduce(
+    x: Any,
+    op: str = "sum",
+    *,
+    codec: Any = None,
+    out: Any = None,
+    name: str | None = None,
+    comm: Communicator | None = None,
+) -> Any:
+    """Reduce ``x`` over all ranks; with ``codec`` the wire carries encoded payloads.
+
+    Args:
+        x: numpy array, torch tensor or cupy array.
+        op: "sum", "avg", "min" or "max" (lossy codecs allow only sum and avg).
+        codec: None, a codec spec string (e.g. "fp8-e4m3", "ef+nvfp4") or a codec object.
+        out: array to write the result into (``out=x`` for in place).
+        name: label for statistics, the timeline and codec state.
+        comm: communicator (default: the world).
+    """
+    if codec is None or codec == "none":
+        return _comm(comm).allreduce(x, op, out=out, name=name)
+    from .codecs.collective import compressed_allreduce
+
+    return compressed_allreduce(_comm(comm), x, op, codec=codec, out=out, name=name)
+
+
+def allreduce_async(
+    x: Any,
+    op: str = "sum",
+    *,
+    codec: Any = None,
+    out: Any = None,
+    name: str | None = None,
+    comm: Communicator | None = None,
+) -> Handle:
+    """Start an all-reduce (optionally compressed); ``wait()`` on the handle gives the result."""
+    if codec is None or codec == "none":
+        return _comm(comm).allreduce_async(x, op, out=out, name=name)
+    from .codecs.collective import compressed_allreduce_async
+
+    return compressed_allreduce_async(_comm(comm), x, op, codec=codec, out=out, name=name)
+
+
+def allgather(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Any:
+    """Concatenate every rank's ``x`` along the first dimension (sizes may differ)."""
+    return _comm(comm).allgather(x, name=name)
+
+
+def allgather_async(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Handle:
+    """Start an all-gather; ``wait()`` on the handle gives the concatenation."""
+    return _comm(comm).allgather_async(x, name=name)
+
+
+def broadcast(x: Any, root: int = 0, *, out: Any = None, name: str | None = None,
+              comm: Communicator | None = None) -> Any:
+    """Return root's ``x`` on every rank (``out=x`` overwrites ``x`` in place)."""
+    return _comm(comm).broadcast(x, root, out=out, name=name)
+
+
+def broadcast_async(x: Any, root: int = 0, *, out: Any = None, name: str | None = None,
+                    comm: Communicator | None = None) -> Handle:
+    """Start a broadcast from ``root``; ``wait()`` on the handle gives the array."""
+    return _comm(comm).broadcast_async(x, root, out=out, name=name)
+
+
+def reduce_scatter(x: Any, op: str = "sum", *, name: str | None = None, comm: Communicator | None = None) -> Any:
+    """Reduce ``x`` over ranks and return this rank's block of rows."""
+    return _comm(comm).reduce_scatter(x, op, name=name)
+
+
+def alltoall(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Any:
+    """Send block i of ``x``'s rows to rank i and return the blocks received."""
+    return _comm(comm).alltoall(x, name=name)
+
+
+def broadcast_object(obj: Any, root: int = 0, *, comm: Communicator | None = None) -> Any:
+    """Return root's picklable ``obj`` on every rank."""
+    return _comm(comm).broadcast_object(obj, root)
+
+
+def allgather_object(obj: Any, *, comm: Communicator | None = None) -> list[Any]:
+    """Return every rank's picklable ``obj`` as a list in rank order."""
+    return _comm(comm).allgather_object(obj)
+
+
+def barrier(*, comm: Communicator | None = None) -> None:
+    """Block until every rank reaches this call."""
+    _comm(comm).barrier()
+
+
+if _config.env_bool("COMMWIRE_RUN"):
+    # Launched by `commwire run`: a rank that raises must abort the job even
+    # if it fails before calling init().
+    install_abort_hook()

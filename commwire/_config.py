@@ -1,0 +1,70 @@
+"""Read commwire's environment-variable fallbacks in one place.
+
+Explicit keyword arguments always win; these variables are only consulted when
+an argument is left as ``None``. Every variable is named ``COMMWIRE_*`` and an
+unknown or malformed value raises ``ValueError`` naming the variable.
+
+| variable | type | meaning |
+|---|---|---|
+| COMMWIRE_CHECK | bool | verify shapes/dtypes/ops agree across ranks before each collective |
+| COMMWIRE_TIMELINE | path | write a Chrome-trace timeline of every operation to this file |
+| COMMWIRE_THREAD_LEVEL | single/funneled/serialized/multiple | MPI thread level requested at init |
+| COMMWIRE_CUDA_AWARE | auto/0/1 | pass device pointers straight to MPI (auto = detect) |
+| COMMWIRE_RUN | bool | set by ``commwire run``: install the abort-on-exception hook at import |
+| COMMWIRE_ABORT_ON_ERROR | bool | abort the whole job when any rank raises (default on) |
+| COMMWIRE_LAB_DIR | path | state directory of the emulated cluster (default /run/commwire-lab) |
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["env_bool", "env_str", "env_choice", "VARIABLES"]
+
+VARIABLES = (
+    "COMMWIRE_CHECK",
+    "COMMWIRE_TIMELINE",
+    "COMMWIRE_THREAD_LEVEL",
+    "COMMWIRE_CUDA_AWARE",
+    "COMMWIRE_RUN",
+    "COMMWIRE_ABORT_ON_ERROR",
+    "COMMWIRE_LAB_DIR",
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _known(name: str) -> None:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a documented commwire variable; known: {', '.join(VARIABLES)}")
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """Return the raw value of a documented COMMWIRE_* variable, or ``default``."""
+    _known(name)
+    return os.environ.get(name, default)
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    """Parse a boolean COMMWIRE_* variable (1/0, true/false, yes/no, on/off)."""
+    raw = env_str(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Parse a COMMWIRE_* variable that must be one of ``choices``."""
+    raw = env_str(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r} is not valid; use one of {', '.join(choices)}")
+    return value

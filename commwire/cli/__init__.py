@@ -1,0 +1,5 @@
+"""The ``commwire`` command line (click)."""
+
+from .main import cli, main
+
+__all__ = ["cli", "main"]

@@ -1,0 +1,40 @@
+"""Core layer: the Communicator over mpi4py, array adapters, handles, counters."""
+
+from .check import CollectiveMismatchError
+from .communicator import REDUCE_OPS, Communicator
+from .handle import Handle
+from .runtime import (
+    cuda_aware,
+    finalize,
+    init,
+    install_abort_hook,
+    is_initialized,
+    local_rank,
+    local_size,
+    new_group,
+    rank,
+    size,
+    stats,
+    thread_level,
+    world,
+)
+
+__all__ = [
+    "CollectiveMismatchError",
+    "Communicator",
+    "Handle",
+    "REDUCE_OPS",
+    "cuda_aware",
+    "finalize",
+    "init",
+    "install_abort_hook",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "new_group",
+    "rank",
+    "size",
+    "stats",
+    "thread_level",
+    "world",
+]

@@ -1,0 +1,64 @@
+"""Handles for non-blocking operations."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["Handle"]
+
+
+class Handle:
+    """A pending operation: ``wait()`` returns its result, ``test()`` polls it.
+
+    The finishing step (dtype conversion, averaging, copying back to the
+    caller's device) runs once, when the MPI request completes, so the result
+    is built in place in the receive buffer instead of in a second copy.
+    """
+
+    __slots__ = ("_requests", "_finish", "_result", "_done", "name")
+
+    def __init__(self, requests: list[Any], finish: Callable[[], Any], name: str | None = None) -> None:
+        self._requests = requests
+        self._finish = finish
+        self._result: Any = None
+        self._done = False
+        self.name = name
+
+    def _complete(self) -> None:
+        self._done = True
+        self._requests = []
+        self._result = self._finish()
+        self._finish = _spent
+
+    def test(self) -> bool:
+        """Return True once the operation has completed (makes MPI progress)."""
+        if self._done:
+            return True
+        from mpi4py import MPI
+
+        if MPI.Request.Testall(self._requests):
+            self._complete()
+            return True
+        return False
+
+    def wait(self) -> Any:
+        """Block until the operation completes and return its result."""
+        if not self._done:
+            from mpi4py import MPI
+
+            MPI.Request.Waitall(self._requests)
+            self._complete()
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        """Whether the result is ready (without making progress)."""
+        return self._done
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "pending"
+        return f"<commwire.Handle {self.name or ''} {state}>"
+
+
+def _spent() -> Any:  # pragma: no cover - guards against double completion
+    raise RuntimeError("handle already completed")

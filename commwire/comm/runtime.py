@@ -1,0 +1,260 @@
+"""Process-wide runtime: MPI initialisation, the world communicator, abort hook.
+
+``init()`` is idempotent. Launched without mpiexec it gives a working 1-rank
+world (MPI singleton init). MPI is initialised with thread level "multiple" by
+default so that progress threads (the torch adapter's) may call MPI; pass
+``thread_level=`` or set COMMWIRE_THREAD_LEVEL to ask for less.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import traceback
+from typing import Any
+
+from .. import _config
+from .communicator import Communicator
+from .stats import Counters
+from .timeline import Timeline
+
+__all__ = [
+    "init",
+    "finalize",
+    "is_initialized",
+    "world",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "new_group",
+    "stats",
+    "thread_level",
+    "cuda_aware",
+    "install_abort_hook",
+]
+
+THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+_world: Communicator | None = None
+_counters = Counters()
+_thread_level: str | None = None
+_lock = threading.Lock()
+
+
+def init(
+    *,
+    comm: Any = None,
+    check: bool | None = None,
+    timeline: str | None = None,
+    thread_level: str | None = None,
+    cuda_aware: bool | None = None,
+    abort_on_error: bool | None = None,
+) -> Communicator:
+    """Initialise MPI (once) and return the world communicator.
+
+    Args:
+        comm: an mpi4py communicator to use as the world (default COMM_WORLD).
+        check: verify that ranks agree on each collective's arguments
+            (fallback: COMMWIRE_CHECK).
+        timeline: write a Chrome-trace timeline to this path at finalize
+            (fallback: COMMWIRE_TIMELINE).
+        thread_level: MPI thread level to request (fallback:
+            COMMWIRE_THREAD_LEVEL, default "multiple").
+        cuda_aware: hand CUDA buffers to MPI directly; None detects it
+            (fallback: COMMWIRE_CUDA_AWARE=auto/0/1).
+        abort_on_error: abort the whole job when this rank raises an
+            unhandled exception (fallback: COMMWIRE_ABORT_ON_ERROR, default on).
+    """
+    global _world, _thread_level
+    with _lock:
+        if _world is not None:
+            if comm is not None and comm is not _world.mpi:
+                raise RuntimeError("commwire is already initialised with another communicator; call finalize() first")
+            if check is not None:
+                _world.check = check
+            return _world
+        level = thread_level if thread_level is not None else _config.env_choice(
+            "COMMWIRE_THREAD_LEVEL", THREAD_LEVELS, "multiple"
+        )
+        if level not in THREAD_LEVELS:
+            raise ValueError(f"thread_level={level!r} is not valid; use one of {', '.join(THREAD_LEVELS)}")
+        MPI = _import_mpi(level)
+        _thread_level = THREAD_LEVELS[MPI.Query_thread()]
+        mpi_comm = comm if comm is not None else MPI.COMM_WORLD
+        check = _config.env_bool("COMMWIRE_CHECK") if check is None else check
+        path = timeline if timeline is not None else _config.env_str("COMMWIRE_TIMELINE")
+        recorder = Timeline(path, mpi_comm.Get_rank()) if path else None
+        if cuda_aware is None:
+            cuda_aware = _detect_cuda_aware()
+        _world = Communicator(mpi_comm, counters=_counters, check=check, timeline=recorder, cuda_aware=cuda_aware)
+        if _config.env_bool("COMMWIRE_ABORT_ON_ERROR", True) if abort_on_error is None else abort_on_error:
+            install_abort_hook()
+        atexit.register(_finalize_at_exit)
+        return _world
+
+
+def _import_mpi(level: str) -> Any:
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.thread_level = level
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(THREAD_LEVELS.index(level))
+    return MPI
+
+
+def finalize() -> None:
+    """Write the timeline (if any) and release commwire's world communicator.
+
+    MPI itself is finalised by mpi4py at interpreter exit, so commwire can be
+    initialised again in the same process.
+    """
+    global _world
+    with _lock:
+        world_comm, _world = _world, None
+    if world_comm is None:
+        return
+    if world_comm.timeline is not None:
+        per_rank = world_comm.mpi.gather(world_comm.timeline.events, root=0)
+        if world_comm.rank == 0:
+            world_comm.timeline.write(per_rank)
+
+
+def _finalize_at_exit() -> None:
+    # Registered after mpi4py's own exit hook, so it runs first (atexit is LIFO)
+    # while MPI is still usable.
+    if _world is not None:
+        finalize()
+
+
+def is_initialized() -> bool:
+    """Return whether ``init()`` has been called (and not finalised)."""
+    return _world is not None
+
+
+def world() -> Communicator:
+    """Return the world communicator; raise if ``init()`` has not been called."""
+    if _world is None:
+        raise RuntimeError("commwire is not initialised: call commwire.init() first")
+    return _world
+
+
+def rank() -> int:
+    """Return this process's rank in the world communicator."""
+    return world().rank
+
+
+def size() -> int:
+    """Return the number of ranks in the world communicator."""
+    return world().size
+
+
+def local_rank() -> int:
+    """Return this process's rank among the ranks on the same node."""
+    return world().node().rank
+
+
+def local_size() -> int:
+    """Return the number of ranks on this node."""
+    return world().node().size
+
+
+def new_group(ranks: list[int]) -> Communicator | None:
+    """Return a communicator over ``ranks`` (None on ranks outside it)."""
+    return world().new_group(ranks)
+
+
+def stats(reset: bool = False) -> dict[str, Any]:
+    """Return operation and codec counters of this process; ``reset`` zeroes them."""
+    return _counters.snapshot(reset=reset)
+
+
+def thread_level() -> str:
+    """Return the MPI thread level actually provided."""
+    world()
+    return str(_thread_level)
+
+
+def cuda_aware() -> bool:
+    """Return whether CUDA buffers go to MPI directly (else they are host-staged)."""
+    return world().cuda_aware
+
+
+def _detect_cuda_aware() -> bool:
+    setting = _config.env_choice("COMMWIRE_CUDA_AWARE", ("auto", "0", "1"), "auto")
+    if setting != "auto":
+        return setting == "1"
+    return query_mpi_cuda_support()
+
+
+def query_mpi_cuda_support() -> bool:
+    """Ask the loaded MPI library whether it accepts CUDA buffers (MPIX extension)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as fh:
+            libs = {line.split()[-1] for line in fh if "/libmpi" in line}
+    except OSError:
+        return False
+    for path in sorted(libs):
+        if not os.path.exists(path):
+            continue
+        try:
+            func = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        try:
+            return bool(func())
+        except Exception:  # noqa: BLE001 - a foreign library must not break init
+            return False
+    return False
+
+
+def install_abort_hook() -> None:
+    """Make an unhandled exception on this rank abort the whole MPI job.
+
+    Without it a rank that raises exits while the others wait forever inside
+    a collective. The hook prints the rank and traceback, then MPI_Abort.
+    """
+    if getattr(sys.excepthook, "_commwire", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _report_and_abort("".join(traceback.format_exception(exc_type, exc, tb)))
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        _report_and_abort(f"in thread {getattr(args.thread, 'name', '?')}:\n{text}")
+
+    hook._commwire = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+
+
+def _report_and_abort(text: str) -> None:
+    from mpi4py import MPI
+
+    who, total = _rank_from_env()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        who, total = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    sys.stdout.flush()
+    sys.stderr.write(f"commwire: rank {who} of {total} raised an unhandled exception; aborting the job\n{text}")
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
+def _rank_from_env() -> tuple[str, str]:
+    for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                 ("SLURM_PROCID", "SLURM_NTASKS")):
+        if r in os.environ:
+            return os.environ[r], os.environ.get(s, "?")
+    return "?", "?"

@@ -1,0 +1,95 @@
+"""Tell `commwire run --lab` how to start MPI ranks on the lab hosts through MPICH's Hydra."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from .netns import require_tools, status
+from .spec import HOST_IFACE, LabSpec
+
+__all__ = ["launch_args", "placement", "LAB_ENV"]
+
+# Without these MPICH sees one hostname for all namespaces and silently moves every
+# byte through shared memory; with them each rank talks TCP (libfabric's tcp
+# provider) over the lab interface, the only one that reaches other hosts.
+LAB_ENV = {
+    "MPIR_CVAR_NOLOCAL": "1",
+    "MPIR_CVAR_CH4_SHM_ENABLE": "0",
+    "MPIR_CVAR_CH4_NETMOD": "ofi",
+    "FI_PROVIDER": "tcp",
+    "FI_TCP_IFACE": HOST_IFACE,
+}
+
+
+def placement(np: int, hosts: int) -> list[int]:
+    """Return how many of *np* ranks each host gets: blocks of ceil(np/hosts), in host order.
+
+    Ranks 0..k-1 go to cw-h0, k..2k-1 to cw-h1, ..., like `mpiexec -ppn k` on a real
+    cluster, so consecutive ranks share a host; the last used host may get fewer.
+    """
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise ValueError(f"np must be a positive int, got {np!r}")
+    per_host = math.ceil(np / hosts)
+    counts = [min(per_host, np - i * per_host) for i in range(hosts)]
+    return [count for count in counts if count > 0]
+
+
+def _mpiexec(env: Mapping[str, str]) -> str:
+    """Return MPICH's mpiexec (Hydra) from *env*'s PATH or next to this Python."""
+    path = shutil.which("mpiexec", path=env.get("PATH")) or shutil.which(
+        "mpiexec", path=os.path.dirname(sys.executable)
+    )
+    if path is None:
+        raise RuntimeError("mpiexec not found on PATH; install MPICH (`pip install mpich`)")
+    proc = subprocess.run([path, "--version"], capture_output=True, text=True)
+    if "HYDRA" not in proc.stdout:
+        raise RuntimeError(
+            f"{path} is not MPICH's Hydra mpiexec, which `--lab` needs (its ssh launcher runs "
+            "the namespace shim); put MPICH's mpiexec first on PATH (`pip install mpich`)"
+        )
+    return path
+
+
+def _ready(spec: LabSpec | None) -> LabSpec:
+    """Return *spec* if ranks can be launched on it, else raise with the fix."""
+    if spec is None:
+        raise RuntimeError("no lab is up; run `commwire lab up --hosts N` first")
+    if spec.cut:
+        raise RuntimeError(
+            f"lab host(s) {', '.join(spec.cut)} are cut, so their ranks could not start; "
+            f"run `commwire lab heal {spec.cut[0]}` first"
+        )
+    return spec
+
+
+def launch_args(np: int, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Return the argv prefix and environment that run a command on *np* ranks across the lab.
+
+    Append the user command to the prefix and run it with the returned environment.
+    mpiexec itself runs inside cw-h0 (so Hydra's proxies connect back to a lab
+    address, and the root namespace needs none); Hydra starts the other hosts'
+    proxies through the lab's ssh shim. Ranks are placed in blocks (see `placement`).
+    The environment is *env* plus `LAB_ENV` (forced: the shared-memory fallback is
+    silent) and this Python's directory first on PATH, so ranks use the same venv.
+    """
+    ip = require_tools()["ip"]
+    spec = _ready(status())
+    counts = placement(np, spec.hosts)
+    out = dict(env)
+    bindir = os.path.dirname(sys.executable)
+    path = out.get("PATH", os.defpath)
+    if path.split(os.pathsep)[0] != bindir:
+        out["PATH"] = os.pathsep.join([bindir, path])
+    out.update(LAB_ENV)
+    hostlist = ",".join(f"{name}:{count}" for name, count in zip(spec.names, counts))
+    argv = [
+        ip, "netns", "exec", spec.names[0], _mpiexec(out),
+        "-launcher", "ssh", "-launcher-exec", spec.shim,
+        "-hosts", hostlist, "-n", str(np),
+    ]
+    return argv, out

@@ -1,0 +1,115 @@
+"""Multi-rank checks of the core — tier 2 (launches mpiexec with 1, 2 and 4 ranks).
+
+Each test starts real MPI processes as subprocesses with a timeout, so a hang
+fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi_helpers import ROOT, run_mpi, run_mpi_pytest
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_collectives_suite(n):
+    run_mpi_pytest(n, "tests/core/mpi_collectives.py")
+
+
+def _commwire(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "commwire", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, **kw)
+
+
+def test_run_prints_sum_on_every_rank():
+    code = "import commwire as cw, numpy as np; cw.init(); print(cw.allreduce(np.ones(3) * cw.rank()))"
+    proc = _commwire("run", "-np", "4", sys.executable, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("[6. 6. 6.]") == 4, proc.stdout
+
+
+def test_failing_rank_aborts_job_fast_with_its_traceback(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import commwire as cw, numpy as np\n"
+        "cw.init()\n"
+        "if cw.rank() == 2:\n"
+        "    raise RuntimeError('boom on rank two')\n"
+        "cw.allreduce(np.ones(3))\n"
+        "cw.barrier()\n"
+    )
+    start = time.monotonic()
+    proc = _commwire("run", "-np", "4", sys.executable, str(script), timeout=30)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 10, elapsed
+    assert "rank 2 of 4 raised an unhandled exception" in proc.stderr
+    assert "RuntimeError: boom on rank two" in proc.stderr
+    assert f'File "{script}", line 4' in proc.stderr
+
+
+def test_failing_rank_without_commwire_import_still_aborts(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.rank == 1:\n"
+        "    raise SystemExit(3)\n"
+        "MPI.COMM_WORLD.Barrier()\n"
+    )
+    start = time.monotonic()
+    proc = _commwire("run", "-np", "2", sys.executable, str(script), timeout=30)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 10
+    assert "rank 1 of 2" in proc.stderr and "SystemExit(3)" in proc.stderr
+
+
+def test_timeline_has_one_track_per_rank(tmp_path):
+    path = tmp_path / "trace.json"
+    code = ("import commwire as cw, numpy as np; cw.init(); "
+            "[cw.allreduce(np.ones(8), name='grad') for _ in range(3)]; cw.allgather(np.ones(2)); cw.finalize()")
+    proc = _commwire("run", "-np", "2", "--timeline", str(path), sys.executable, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert sum(e["name"] == "grad" for e in events) == 6
+    assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in events)
+
+
+def test_check_env_flag_reports_mismatch(tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        "import commwire as cw, numpy as np\n"
+        "cw.init()\n"
+        "cw.allreduce(np.ones(3 + cw.rank()), name='layer1.weight')\n"
+    )
+    proc = run_mpi(2, [str(script)], timeout=60, env={"COMMWIRE_CHECK": "1"})
+    assert proc.returncode != 0
+    assert "shape differs" in proc.stderr and "rank 0: (3,)" in proc.stderr and "rank 1: (4,)" in proc.stderr
+
+
+def test_bench_allreduce_runs_and_reports_ratio():
+    proc = _commwire("bench", "allreduce", "-np", "2", "--sizes", "8,1M", "--repeats", "2", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(lines) == 2, proc.stdout
+    ratios = [float(line.split("|")[7]) for line in lines]
+    assert all(r > 0 for r in ratios)
+
+
+def test_singleton_without_mpiexec():
+    code = ("import commwire as cw, numpy as np; c = cw.init(); assert cw.size() == 1 and cw.rank() == 0; "
+            "print(cw.allreduce(np.arange(3.0), op='avg').tolist(), cw.thread_level())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=Path(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[0.0, 1.0, 2.0] multiple"

@@ -1,0 +1,37 @@
+"""Launch MPI jobs from tests (tier 2 helpers); imported as `mpi_helpers`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec_path() -> str | None:
+    local = Path(sys.prefix) / "bin" / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def run_mpi(n: int, args: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+            ) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on ``n`` ranks and return the completed process (never hangs)."""
+    exe = mpiexec_path()
+    if exe is None:
+        pytest.skip("no mpiexec: pip install 'commwire[mpich]'")
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COMMWIRE_RUN": "1", **(env or {})}
+    cmd = [exe, "-n", str(n), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def run_mpi_pytest(n: int, path: str, *extra: str, timeout: float = 300) -> None:
+    """Run a pytest module on ``n`` ranks; fail with every rank's output if any rank fails."""
+    proc = run_mpi(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                       "-o", "addopts=", path, *extra], timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{path} failed on {n} ranks (exit {proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
