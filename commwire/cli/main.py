@@ -21,10 +21,11 @@ from .. import launch
 __all__ = ["cli", "main"]
 
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_interspersed_args": False}
-BENCHMARKS = {
-    "allreduce": "plain and compressed all-reduce vs raw mpi4py Allreduce",
-    "codecs": "codec encode/decode throughput vs memcpy, round-trip error",
-    "glm": "GLM SGD vs CA-SGD (s-step Gram exchange)",
+BENCHMARKS = {  # name -> module under commwire.bench
+    "allreduce": "allreduce",
+    "codecs": "codecs",
+    "glm": "glm",
+    "torch": "torch_ddp",
 }
 
 
@@ -134,8 +135,9 @@ def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     allreduce  plain and compressed all-reduce vs raw mpi4py Allreduce
     codecs     codec encode/decode throughput vs memcpy, round-trip error
     glm        GLM SGD vs CA-SGD (s-step Gram exchange)
+    torch      DistributedOptimizer vs torch DDP over gloo, codecs, fusion, overlap
     """
-    module = f"commwire.bench.{name}"
+    module = f"commwire.bench.{BENCHMARKS[name]}"
     if importlib.util.find_spec(module) is None:
         raise click.ClickException(f"benchmark {name!r} is not installed in this commwire build")
     if np_ is not None and np_ > 1:

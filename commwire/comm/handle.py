@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, Callable
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "in_lane", "wait_requests"]
+
+_local = threading.local()
+
+
+def in_lane() -> bool:
+    """Return whether the calling thread is a lane's worker thread."""
+    return getattr(_local, "lane", False)
+
+
+def _mark_lane_thread() -> None:
+    _local.lane = True
+
+
+def wait_requests(requests: list[Any]) -> None:
+    """Wait for MPI requests; on a lane thread, poll and yield the CPU between tests.
+
+    MPICH busy-polls inside MPI_Wait. On a lane that steals the core the
+    caller's computation (backward) needs — badly so when ranks share cores —
+    so a lane tests the requests and yields between tests instead.
+    """
+    from mpi4py import MPI
+
+    if not in_lane():
+        MPI.Request.Waitall(requests)
+        return
+    while not MPI.Request.Testall(requests):
+        time.sleep(0)
 
 
 class Handle:
@@ -44,9 +73,7 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation completes and return its result."""
         if not self._done:
-            from mpi4py import MPI
-
-            MPI.Request.Waitall(self._requests)
+            wait_requests(self._requests)
             self._complete()
         return self._result
 

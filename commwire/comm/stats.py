@@ -17,11 +17,12 @@ __all__ = ["Counters"]
 class Counters:
     """Accumulate per-operation and per-codec counters for one process."""
 
-    __slots__ = ("_ops", "_codecs", "_lock")
+    __slots__ = ("_ops", "_codecs", "_extra", "_lock")
 
     def __init__(self) -> None:
         self._ops: dict[str, list[float]] = {}
         self._codecs: dict[str, list[float]] = {}
+        self._extra: dict[str, dict[str, float]] = {}
         # Handles may complete on a progress thread; keep updates atomic.
         self._lock = threading.Lock()
 
@@ -47,6 +48,14 @@ class Counters:
             row[2] += wire_bytes
             row[3] += elements
 
+    def add(self, group: str, **values: float) -> None:
+        """Accumulate named values under ``group`` (e.g. per-phase seconds); counts calls."""
+        with self._lock:
+            row = self._extra.setdefault(group, {"calls": 0})
+            row["calls"] += 1
+            for key, value in values.items():
+                row[key] = row.get(key, 0.0) + value
+
     def snapshot(self, reset: bool = False) -> dict[str, Any]:
         """Return the counters as a plain dict, optionally zeroing them."""
         with self._lock:
@@ -64,7 +73,9 @@ class Counters:
                 }
                 for spec, r in self._codecs.items()
             }
+            out.update({group: dict(row) for group, row in self._extra.items()})
             if reset:
                 self._ops.clear()
                 self._codecs.clear()
+                self._extra.clear()
         return out

@@ -1,0 +1,1 @@
+"""Benchmarks of commwire components (run through ``commwire bench``)."""

@@ -1,0 +1,65 @@
+"""Compress tensors for the wire: casts, FP8, NVFP4, Hadamard rotation, error feedback.
+
+Get a codec from a spec string (grammar in :mod:`commwire.codecs.registry`)::
+
+    from commwire import codecs
+    codec = codecs.get("ef+fp8-e4m3")            # or "nvfp4", "fp8-e4m3:block=128,sr", ...
+    payload = codec.encode(grad, key="layer1")     # payload.nbytes: exact wire bytes
+    grad_hat = codec.decode(payload)               # same kind, shape and dtype as grad
+
+Specs: ``none``, ``fp16``, ``bf16``, ``fp8-e4m3``, ``fp8-e5m2`` (options ``block=N``,
+``sr``, ``seed=N``), ``nvfp4`` (``sr``, ``seed=N``), prefixed by wrapper stages
+``ef+`` and ``hadamard+`` (``size=N``, ``seed=N``).
+
+Wire bytes for n elements (``codec.wire_nbytes(n)``): none 4n; fp16/bf16 2n;
+FP8 n + 4 (per tensor) or n + 4*ceil(n/B) (block B); NVFP4
+ceil(n/2) + ceil(n/16) + 4. There is no header: receivers must know the codec.
+
+Non-finite values stay non-finite: NaN → NaN, ±Inf → ±Inf (fp16, bf16, E5M2) or NaN
+(E4M3); in NVFP4 a block holding NaN/Inf decodes to NaN in all its 16 elements.
+Integer and boolean arrays raise TypeError. numpy arrays run on fused numba
+kernels (thread count: :func:`set_threads`); torch tensors (CPU or CUDA) on torch
+ops; cupy arrays through torch via DLPack. Format parameters are data:
+:data:`FORMATS`.
+"""
+
+from __future__ import annotations
+
+from ._threads import get_threads, set_threads
+from .base import Codec, CodecState, Payload
+from .casts import CastCodec, CastConfig, IdentityCodec
+from .feedback import ErrorFeedback
+from .formats import FORMATS, FloatFormat, get_format
+from .fp8 import Fp8Codec, Fp8Config
+from .hadamard import HadamardConfig, HadamardTransform
+from .nvfp4 import Nvfp4Codec, Nvfp4Config
+from .pipeline import Pipeline, Transform, pipeline
+from .registry import available, get, register_codec, register_stage
+
+__all__ = [
+    "Codec",
+    "CodecState",
+    "Payload",
+    "get",
+    "available",
+    "register_codec",
+    "register_stage",
+    "IdentityCodec",
+    "CastCodec",
+    "CastConfig",
+    "Fp8Codec",
+    "Fp8Config",
+    "Nvfp4Codec",
+    "Nvfp4Config",
+    "HadamardTransform",
+    "HadamardConfig",
+    "ErrorFeedback",
+    "Pipeline",
+    "Transform",
+    "pipeline",
+    "FloatFormat",
+    "FORMATS",
+    "get_format",
+    "get_threads",
+    "set_threads",
+]

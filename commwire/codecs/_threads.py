@@ -1,0 +1,54 @@
+"""Choose how many CPU threads the codec kernels use.
+
+Several MPI ranks usually share one node, and every rank runs its own kernels,
+so letting each rank use every core oversubscribes the machine. The default is
+therefore the cores this process may run on divided by the number of ranks on
+the node, as announced by the launcher (MPICH/Hydra ``MPI_LOCALNRANKS``, Open MPI
+``OMPI_COMM_WORLD_LOCAL_SIZE``, Slurm ``SLURM_NTASKS_PER_NODE``), and at least 1.
+:func:`set_threads` overrides it for the whole process.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["get_threads", "set_threads"]
+
+_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+_threads: int | None = None
+
+
+def _local_ranks() -> int:
+    for name in _LOCAL_SIZE_VARIABLES:
+        raw = os.environ.get(name, "")
+        # Slurm writes "4(x2)" for heterogeneous nodes; the leading count is ours.
+        digits = raw.split("(")[0].strip()
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits)
+    return 1
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Return the default thread count: usable cores divided by ranks on this node."""
+    return max(1, _usable_cpus() // _local_ranks())
+
+
+def get_threads() -> int:
+    """Return the number of threads the CPU codec kernels use."""
+    return _threads if _threads is not None else default_threads()
+
+
+def set_threads(n: int | None) -> None:
+    """Set the number of CPU threads for the codec kernels (None restores the default)."""
+    global _threads
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"threads must be a positive int or None, got {n!r}")
+    _threads = n

@@ -1,0 +1,254 @@
+"""Define the codec contract: :class:`Codec`, :class:`Payload` and :class:`CodecState`.
+
+A codec turns a float array into bytes for the wire and back. Two levels:
+
+- ``encode(x, key=None) -> Payload`` / ``decode(payload, out=None) -> array`` for
+  any shape and float dtype, numpy, torch (CPU/CUDA) or cupy; decoding returns the
+  same kind of array with the original shape and dtype (computation is float32).
+- ``encode_into(x, out, key=None)`` / ``decode_from(buf, n, out=None)`` on flat
+  float32 vectors and raw uint8 buffers of exactly ``wire_nbytes(n)`` bytes, for
+  collectives that encode chunks into slices of one preallocated send buffer.
+
+No header goes on the wire: the receiver must know the codec and the element
+count. A :class:`Payload` carries that metadata on the Python side (not counted in
+``nbytes``), so ``decode`` can reject a payload from another codec or a truncated
+buffer; ``decode_from`` can only check the length, so collectives must agree on
+the codec spec beforehand.
+
+Settings live in each codec's frozen ``Config`` dataclass; mutable state (error
+feedback residuals, stochastic-rounding counters) lives in one :class:`CodecState`
+per stage, keyed by the caller's stable ``key`` (a bucket or tensor name), and is
+saved with ``codec.state_dict()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import zlib
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from . import _arrays
+
+__all__ = ["Codec", "Payload", "CodecState", "stream_id", "next_stream"]
+
+_STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Payload:
+    """Encoded bytes plus the metadata needed to decode them (metadata is not on the wire)."""
+
+    data: Any
+    """One contiguous 1-D uint8 array: numpy, torch or cupy, like the encoded input."""
+    spec: str
+    """Canonical spec of the codec that produced it."""
+    shape: tuple[int, ...]
+    """Shape of the encoded array."""
+    dtype: str
+    """Element type name of the encoded array (``"float32"``, ``"bfloat16"``, ...)."""
+    n: int
+    """Number of elements."""
+    kind: str
+    """``"numpy"``, ``"torch"`` or ``"cupy"``."""
+
+    @property
+    def nbytes(self) -> int:
+        """Return the exact number of bytes that go on the wire."""
+        return int(self.data.shape[0])
+
+
+class CodecState:
+    """Hold one stage's mutable state: a dict of named values per caller key."""
+
+    def __init__(self) -> None:
+        self._slots: dict[Hashable, dict[str, Any]] = {}
+
+    def slot(self, key: Hashable) -> dict[str, Any]:
+        """Return the (possibly new, empty) state dict of ``key``."""
+        return self._slots.setdefault(key, {})
+
+    def keys(self) -> list[Hashable]:
+        """Return the keys that have state."""
+        return list(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slots
+
+    def clear(self) -> None:
+        """Drop all state (e.g. when buckets are rebuilt with new keys)."""
+        self._slots.clear()
+
+    def state_dict(self) -> dict[Hashable, dict[str, Any]]:
+        """Return a picklable copy: numpy arrays (host copies of device tensors) and ints."""
+        return {key: {name: _to_host(value) for name, value in slot.items()} for key, slot in self._slots.items()}
+
+    def load_state_dict(self, state: dict[Hashable, dict[str, Any]]) -> None:
+        """Replace the state with a copy of ``state`` (as returned by :meth:`state_dict`)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"CodecState.load_state_dict expects a dict, got {type(state).__name__}")
+        self._slots = {key: {name: _to_host(value) for name, value in slot.items()} for key, slot in state.items()}
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool, np.integer, np.floating)):
+        return value
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if _arrays.kind_of(value) == "cupy":
+        value = _arrays.to_torch(value)
+    return value.detach().cpu().numpy().copy()
+
+
+def stream_id(seed: int, key: Hashable, counter: int) -> int:
+    """Return a 32-bit random-stream id for (seed, key, call counter), stable across processes."""
+    # repr() of str/int/tuple keys is stable, unlike hash() of str (PYTHONHASHSEED).
+    return zlib.crc32(f"{seed}|{key!r}|{counter}".encode())
+
+
+def next_stream(state: CodecState, seed: int, key: Hashable) -> int:
+    """Return the random-stream id for this call of ``key`` and advance its counter."""
+    slot = state.slot(key)
+    counter = int(slot.get("counter", 0))
+    slot["counter"] = counter + 1
+    return stream_id(seed, key, counter)
+
+
+class Codec(abc.ABC):
+    """Encode float arrays to wire bytes and decode them back.
+
+    Example:
+        >>> from commwire import codecs
+        >>> codec = codecs.get("fp8-e4m3")
+        >>> payload = codec.encode(np.ones(1000, np.float32))
+        >>> payload.nbytes
+        1004
+        >>> codec.decode(payload)[:3]
+        array([1., 1., 1.], dtype=float32)
+    """
+
+    lossless: bool = False
+    """True when decode(encode(x)) == x for float32 (and narrower) input."""
+
+    def __init__(self) -> None:
+        self.state = CodecState()
+
+    # ---- what a codec defines -------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def spec(self) -> str:
+        """Return the canonical spec string; ``codecs.get(spec)`` rebuilds an equal codec."""
+
+    @abc.abstractmethod
+    def wire_nbytes(self, n: int) -> int:
+        """Return the exact payload size in bytes for ``n`` elements."""
+
+    @abc.abstractmethod
+    def _encode(self, x: Any, out: Any, key: Hashable) -> None:
+        """Encode a validated flat float32 vector into ``out`` (exactly wire_nbytes bytes)."""
+
+    @abc.abstractmethod
+    def _decode(self, buf: Any, n: int, out: Any) -> Any:
+        """Decode a validated buffer into the float32 vector ``out`` and return it."""
+
+    @property
+    def stages(self) -> tuple[Codec, ...]:
+        """Return this codec and the codecs it wraps, outermost first."""
+        return (self,)
+
+    # ---- low-level API: flat float32 and raw bytes ----------------------------
+    def encode_into(self, x: Any, out: Any, key: Hashable = None) -> None:
+        """Encode the flat float32 vector ``x`` into ``out``, a uint8 buffer of wire_nbytes(len(x))."""
+        kind = _arrays.kind_of(x)
+        if len(x.shape) != 1 or _arrays.dtype_name(x) != "float32":
+            raise ValueError(
+                f"encode_into takes a 1-D float32 vector, got shape {tuple(x.shape)} {_arrays.dtype_name(x)}; "
+                "use encode() for other shapes and dtypes"
+            )
+        n = int(x.shape[0])
+        self._check_buffer(out, n, "out")
+        if kind == "cupy":
+            x, out = _arrays.to_torch(x), _arrays.to_torch(out)
+        if not _is_contiguous(x):
+            x = _arrays.flat_f32(x, _arrays.kind_of(x))
+        self._encode(x, out, key)
+
+    def decode_from(self, buf: Any, n: int, out: Any = None) -> Any:
+        """Decode ``n`` elements from the uint8 buffer ``buf`` into a flat float32 vector."""
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        n = int(n)
+        self._check_buffer(buf, n, "buf")
+        kind = _arrays.kind_of(buf)
+        tbuf = _arrays.to_torch(buf) if kind == "cupy" else buf
+        if out is None:
+            target = _arrays.empty_f32(tbuf, n)
+        else:
+            if tuple(out.shape) != (n,) or _arrays.dtype_name(out) != "float32":
+                raise ValueError(f"out must be a float32 vector of {n} elements, got {tuple(out.shape)} {_arrays.dtype_name(out)}")
+            target = _arrays.to_torch(out) if kind == "cupy" else out
+        self._decode(tbuf, n, target)
+        return out if out is not None else _arrays.from_torch(target, kind)
+
+    def _check_buffer(self, buf: Any, n: int, name: str) -> None:
+        expected = self.wire_nbytes(n)
+        if len(buf.shape) != 1 or _arrays.dtype_name(buf) != "uint8":
+            raise ValueError(f"{name} must be a 1-D uint8 buffer, got shape {tuple(buf.shape)} {_arrays.dtype_name(buf)}")
+        if int(buf.shape[0]) != expected:
+            raise ValueError(
+                f"{name} holds {int(buf.shape[0])} bytes but codec {self.spec!r} needs wire_nbytes({n}) = {expected}; "
+                "a truncated buffer, a different element count or a payload of another codec"
+            )
+
+    # ---- high-level API: any shape, dtype and array kind ---------------------
+    def encode(self, x: Any, key: Hashable = None) -> Payload:
+        """Encode an array of any shape and float dtype into a :class:`Payload`."""
+        kind = _arrays.kind_of(x)
+        _arrays.check_float(x, self.spec)
+        flat = _arrays.flat_f32(x, kind)
+        out = _arrays.empty_u8(flat, self.wire_nbytes(int(flat.shape[0])))
+        self._encode(flat, out, key)
+        return Payload(
+            data=_arrays.from_torch(out, kind) if kind == "cupy" else out,
+            spec=self.spec, shape=tuple(int(d) for d in x.shape), dtype=_arrays.dtype_name(x),
+            n=int(flat.shape[0]), kind=kind,
+        )
+
+    def decode(self, payload: Payload, out: Any = None) -> Any:
+        """Decode a :class:`Payload` to an array of its original kind, shape and dtype."""
+        if not isinstance(payload, Payload):
+            raise TypeError(f"decode takes a Payload, got {type(payload).__name__}; use decode_from for raw bytes")
+        if payload.spec != self.spec:
+            raise ValueError(f"payload was encoded by codec {payload.spec!r}, this codec is {self.spec!r}")
+        flat = self.decode_from(payload.data, payload.n)
+        tflat = _arrays.to_torch(flat) if payload.kind == "cupy" else flat
+        return _arrays.restore(tflat, payload.shape, payload.dtype, payload.kind, out)
+
+    # ---- state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state of every stage, for checkpoints (picklable, host arrays)."""
+        return {"version": _STATE_VERSION, "spec": self.spec, "stages": [s.state.state_dict() for s in self.stages]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state saved by :meth:`state_dict` of a codec with the same spec."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a codec state dict of version {_STATE_VERSION}: {type(state).__name__}")
+        if state["spec"] != self.spec:
+            raise ValueError(f"state was saved by codec {state['spec']!r}, this codec is {self.spec!r}")
+        for stage, stage_state in zip(self.stages, state["stages"], strict=True):
+            stage.state.load_state_dict(stage_state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+
+def _is_contiguous(x: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return bool(x.flags.c_contiguous)
+    return bool(x.is_contiguous())

@@ -1,0 +1,103 @@
+"""FP8 codecs (E4M3, E5M2) with one FP32 scale per tensor or per block.
+
+Encoding, per tensor (``block=0``) or per block of ``block`` elements:
+
+1. amax = largest *finite* |x|; scale = max(amax / max_finite, 2**-126) in float32
+   (the floor keeps 1/scale finite for all-zero or tiny tensors);
+2. code = FP8(x * (1 / scale)), saturated to ±max_finite, rounded to nearest even
+   or stochastically (``rounding="sr"``, seeded, unbiased);
+3. decode: x ≈ value(code) * scale.
+
+Wire layout: n code bytes, then the scales as little-endian FP32
+(4 bytes per tensor, or 4 * ceil(n / block)).
+
+Non-finite input: NaN encodes as NaN; ±Inf encodes as ±Inf in E5M2 and as NaN in
+E4M3 (which has no Inf). The scale ignores non-finite values, so every finite
+element keeps its precision and every non-finite one decodes non-finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+from . import _arrays
+from .base import Codec, next_stream
+from .formats import get_format
+
+__all__ = ["Fp8Codec", "Fp8Config"]
+
+SCALE_FLOOR = 2.0**-126
+"""Smallest scale: the smallest normal float32, so 1/scale stays finite."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Config:
+    """Settings of an FP8 codec."""
+
+    format: str = "e4m3"
+    """``"e4m3"`` (OCP fn: max 448, no Inf) or ``"e5m2"`` (max 57344, IEEE Inf/NaN)."""
+    block: int = 0
+    """Elements per FP32 scale; 0 means one scale for the whole tensor."""
+    rounding: str = "rne"
+    """``"rne"`` (round to nearest even) or ``"sr"`` (stochastic, unbiased)."""
+    seed: int = 0
+    """Seed of stochastic rounding; give each rank its own for independent errors."""
+
+    def __post_init__(self) -> None:
+        if self.format not in ("e4m3", "e5m2"):
+            raise ValueError(f"Fp8Config.format={self.format!r}; use 'e4m3' or 'e5m2'")
+        if not isinstance(self.block, int) or self.block < 0:
+            raise ValueError(f"Fp8Config.block={self.block!r}; use 0 (per tensor) or a positive block size")
+        if self.rounding not in ("rne", "sr"):
+            raise ValueError(f"Fp8Config.rounding={self.rounding!r}; use 'rne' or 'sr'")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"Fp8Config.seed={self.seed!r}; use an int in [0, 2**32)")
+
+
+class Fp8Codec(Codec):
+    """Encode to FP8 codes plus FP32 scales (1 byte per element + scales)."""
+
+    def __init__(self, config: Fp8Config | None = None, **settings: Any) -> None:
+        super().__init__()
+        self.config = config if config is not None else Fp8Config(**settings)
+        self.format = get_format(self.config.format)
+
+    @property
+    def spec(self) -> str:
+        """Return e.g. ``"fp8-e4m3"``, ``"fp8-e4m3:block=128,sr"``."""
+        c = self.config
+        options = [f"block={c.block}"] if c.block else []
+        if c.rounding == "sr":
+            options.append("sr")
+            if c.seed:
+                options.append(f"seed={c.seed}")
+        return f"fp8-{c.format}" + (":" + ",".join(options) if options else "")
+
+    def _nscales(self, n: int) -> int:
+        return -(-n // self.config.block) if self.config.block else 1
+
+    def wire_nbytes(self, n: int) -> int:
+        """Return ``n + 4 * (number of scales)``."""
+        return int(n) + 4 * self._nscales(int(n))
+
+    def _encode(self, x: Any, out: Any, key: Hashable) -> None:
+        k = _arrays.kernels(_arrays.kind_of(x))
+        n = int(x.shape[0])
+        fmt, c = self.format, self.config
+        sr = c.rounding == "sr"
+        stream = next_stream(self.state, c.seed, key) if sr else 0
+        if c.block:
+            scales = _arrays.empty_f32(x, self._nscales(n))
+            k.encode_blocks(x, out[:n], scales, c.block, fmt.kernel_params(), fmt.max_finite, SCALE_FLOOR, sr=sr, stream=stream)
+        else:
+            scales = k.tensor_scale(k.amax(x), fmt.max_finite, SCALE_FLOOR)
+            k.encode_scaled(x, out[:n], scales, fmt.kernel_params(), sr=sr, stream=stream)
+        k.put_f32(out[n:], scales)
+
+    def _decode(self, buf: Any, n: int, out: Any) -> Any:
+        k = _arrays.kernels(_arrays.kind_of(buf))
+        scales = k.get_f32(buf[n:])
+        k.decode_blocks(buf[:n], scales, self.config.block or n, self.format.lut(), out)
+        return out

@@ -1,0 +1,81 @@
+"""A background lane: collectives that run on a worker thread, in call order.
+
+MPICH makes progress on a non-blocking collective only while some MPI call
+runs, so an ``Iallreduce`` started during backward mostly moves when it is
+finally waited on. A lane instead runs blocking collectives on one worker
+thread (mpi4py releases the GIL inside MPI, torch inside its kernels), so the
+transfer really overlaps the caller's computation.
+
+The lane owns a duplicate of the communicator, so its collectives never
+interleave with the ones the caller issues meanwhile; a single worker keeps
+them in submission order, which every rank reproduces. Needs MPI thread level
+"multiple" (commwire's default).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+from .handle import Handle, _mark_lane_thread
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["Lane", "lane_for"]
+
+class _FutureHandle(Handle):
+    """A handle over work submitted to a lane."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future, name: str | None) -> None:
+        super().__init__([], future.result, name)
+        self._future = future
+
+    def test(self) -> bool:
+        if not self._done and self._future.done():
+            self._complete()
+        return self._done
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._complete()  # future.result() blocks, and re-raises the worker's exception
+        return self._result
+
+
+class Lane:
+    """Run functions of a communicator on one background thread, in order."""
+
+    def __init__(self, comm: Communicator) -> None:
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "background collectives need MPI thread level 'multiple'; "
+                "call commwire.init(thread_level='multiple') (the default)"
+            )
+        self.comm = comm._derive(comm.mpi.Dup())
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="commwire-lane", initializer=_mark_lane_thread)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any) -> Handle:
+        """Run ``fn(lane_comm, *args, **kwargs)`` on the lane; return a handle to its result."""
+        return _FutureHandle(self._executor.submit(fn, self.comm, *args, **kwargs), name)
+
+    def close(self) -> None:
+        """Finish queued work and stop the worker thread."""
+        self._executor.shutdown(wait=True)
+
+
+_lanes: dict[int, Lane] = {}
+_lock = threading.Lock()
+
+
+def lane_for(comm: Communicator) -> Lane:
+    """Return the lane of ``comm``, creating it (collectively) on first use."""
+    with _lock:
+        lane = _lanes.get(id(comm))
+        if lane is None:
+            lane = _lanes[id(comm)] = Lane(comm)
+        return lane

@@ -1,0 +1,302 @@
+"""Tensor fusion: pack many small tensors into few buckets, one collective each.
+
+Buckets are filled in reverse registration order (gradients of the last layers
+are ready first during backward), hold one dtype and device each, and close at
+a byte threshold; the first bucket is small so communication starts early, as
+in DDP. Bucket ids derive from the names of their members, so they are stable
+across processes and restarts, and codec state (error-feedback residuals) keyed
+by them is found again after the buckets are rebuilt with the same layout.
+
+Buckets are launched strictly in index order — a bucket that fills early waits
+for its predecessors — because every rank must issue the same collectives in
+the same order. With ``overlap=True`` they run on the communicator's background
+lane while the caller keeps computing.
+
+Example:
+    >>> fb = FusionBuffer([("w1", w1), ("b1", b1), ("w2", w2)], op="avg")
+    >>> for name, grad in grads.items():
+    ...     fb.add(name, grad)          # buckets start as they fill
+    >>> reduced = fb.wait()             # {name: averaged view}
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .comm.communicator import Communicator
+from .comm.handle import Handle
+
+__all__ = ["FusionBuffer", "Bucket", "DEFAULT_THRESHOLD_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+DEFAULT_THRESHOLD_BYTES = 25 << 20
+"""Bucket size limit (DDP's default, 25 MiB)."""
+DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
+"""Limit of the first bucket, so the first collective starts early (1 MiB)."""
+
+
+def _xp_zeros(like: Any, n: int) -> Any:
+    if isinstance(like, np.ndarray):
+        return np.zeros(n, dtype=like.dtype)
+    import torch
+
+    return torch.zeros(n, dtype=like.dtype, device=like.device)
+
+
+def _flat(x: Any) -> Any:
+    return x.reshape(-1)
+
+
+def _group_key(x: Any) -> tuple[str, str]:
+    if isinstance(x, np.ndarray):
+        return (str(x.dtype), "cpu")
+    return (str(x.dtype), str(x.device))
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Tensors fused into one flat buffer that travels in one collective."""
+
+    index: int
+    id: str
+    names: list[str]
+    offsets: list[int]
+    numels: list[int]
+    shapes: list[tuple[int, ...]]
+    buffer: Any
+    filled: list[bool]
+    handle: Handle | None = None
+    launched_at: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Return the size of the bucket's buffer in bytes."""
+        return int(self.buffer.nbytes) if hasattr(self.buffer, "nbytes") else self.buffer.numel() * self.buffer.element_size()
+
+    def view(self, slot: int) -> Any:
+        """Return member ``slot`` as a view into the bucket buffer, in its own shape."""
+        off = self.offsets[slot]
+        return self.buffer[off:off + self.numels[slot]].reshape(self.shapes[slot])
+
+
+class FusionBuffer:
+    """Fuse named tensors into buckets and reduce each bucket with one collective.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs in registration order (numpy arrays
+            or torch tensors); only shapes, dtypes and devices are used.
+        comm: communicator (default: the world).
+        op: "sum" or "avg" (also "min"/"max" without a codec).
+        codec: optional codec spec or object for the wire.
+        threshold_bytes: bucket size limit; 0 puts every tensor in its own bucket.
+        first_bucket_bytes: limit of the first bucket.
+        overlap: run collectives on the background lane (else when waited for).
+        postscale: factor applied to every reduced bucket (e.g. for predivision).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[tuple[str, Any]],
+        *,
+        comm: Communicator | None = None,
+        op: str = "avg",
+        codec: Any = None,
+        threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        overlap: bool = True,
+        postscale: float = 1.0,
+    ) -> None:
+        if threshold_bytes < 0 or first_bucket_bytes < 0:
+            raise ValueError(f"bucket sizes must be >= 0, got threshold_bytes={threshold_bytes}, "
+                             f"first_bucket_bytes={first_bucket_bytes}")
+        names = [name for name, _ in tensors]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tensor names must be unique; duplicated: {dupes}")
+        if comm is None:
+            from .comm.runtime import world
+
+            comm = world()
+        self.comm = comm
+        self.op = op
+        self.codec = None
+        if codec is not None and codec != "none":
+            from .codecs.collective import resolve_codec
+
+            self.codec = resolve_codec(codec)
+        self.overlap = overlap
+        self.postscale = postscale
+        self.buckets = self._build(list(tensors), threshold_bytes, first_bucket_bytes)
+        self._where = {name: (b, slot) for b in self.buckets for slot, name in enumerate(b.names)}
+        self._next = 0
+        self.comm_seconds = 0.0
+        self.exposed_seconds = 0.0
+
+    def _build(self, tensors: list[tuple[str, Any]], threshold: int, first: int) -> list[Bucket]:
+        open_groups: dict[tuple[str, str], list[tuple[str, Any]]] = {}
+        sizes: dict[tuple[str, str], int] = {}
+        closed: list[list[tuple[str, Any]]] = []
+        limit = first if first else threshold
+        for name, t in reversed(tensors):
+            key = _group_key(t)
+            group = open_groups.setdefault(key, [])
+            nbytes = int(t.nbytes) if hasattr(t, "nbytes") else t.numel() * t.element_size()
+            if group and sizes[key] + nbytes > limit:
+                closed.append(group)
+                group = open_groups[key] = []
+                sizes[key] = 0
+                limit = threshold
+            group.append((name, t))
+            sizes[key] = sizes.get(key, 0) + nbytes
+            if threshold == 0:
+                closed.append(group)
+                open_groups[key] = []
+                sizes[key] = 0
+        closed += [g for g in open_groups.values() if g]
+        return [self._bucket(i, g) for i, g in enumerate(closed)]
+
+    @staticmethod
+    def _bucket(index: int, members: list[tuple[str, Any]]) -> Bucket:
+        names = [n for n, _ in members]
+        numels = [int(np.prod(tuple(t.shape), dtype=np.int64)) for _, t in members]
+        offsets = np.concatenate(([0], np.cumsum(numels)[:-1])).astype(int).tolist()
+        digest = zlib.crc32("\0".join(names).encode())
+        bucket_id = f"bucket{index}:{names[0]}..{names[-1]}:{len(names)}:{digest:08x}"
+        return Bucket(index=index, id=bucket_id, names=names, offsets=offsets, numels=numels,
+                      shapes=[tuple(t.shape) for _, t in members], buffer=_xp_zeros(members[0][1], sum(numels)),
+                      filled=[False] * len(names))
+
+    # ------------------------------------------------------------------ filling
+    def _slot(self, name: str) -> tuple[Bucket, int]:
+        where = self._where.get(name)
+        if where is None:
+            raise KeyError(f"tensor {name!r} was not registered with this FusionBuffer")
+        bucket, slot = where
+        if bucket.handle is not None:
+            raise RuntimeError(f"tensor {name!r} was added again after its bucket {bucket.id} was sent; "
+                               "call wait() before adding the next step's values")
+        return bucket, slot
+
+    def view(self, name: str) -> Any:
+        """Return the slot of ``name``: a view into its bucket that a caller may fill in place."""
+        bucket, slot = self._where[name]
+        return bucket.view(slot)
+
+    def add(self, name: str, value: Any, scale: float = 1.0) -> None:
+        """Copy ``value`` into its bucket slot (times ``scale``); launch buckets that are complete."""
+        bucket, slot = self._slot(name)
+        target = bucket.view(slot)
+        if scale == 1.0:
+            target[...] = value
+        else:
+            target[...] = value * scale
+        bucket.filled[slot] = True
+        self._launch_ready()
+
+    def mark(self, name: str, scale: float = 1.0) -> None:
+        """Declare the slot of ``name`` filled in place (see :meth:`view`); launch complete buckets."""
+        bucket, slot = self._slot(name)
+        if scale != 1.0:
+            bucket.view(slot)[...] *= scale
+        bucket.filled[slot] = True
+        self._launch_ready()
+
+    def zero_(self) -> None:
+        """Zero every bucket buffer (the slots handed out by :meth:`view` included)."""
+        for b in self.buckets:
+            b.buffer[...] = 0
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and all(self.buckets[self._next].filled):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched_at = time.perf_counter()
+        if self.overlap:
+            from .comm.lane import lane_for
+
+            bucket.handle = lane_for(self.comm).submit(self._reduce, bucket, name=bucket.id)
+        else:
+            bucket.handle = _Deferred(lambda: self._reduce(self.comm, bucket))
+
+    def _reduce(self, comm: Communicator, bucket: Bucket) -> float:
+        start = time.perf_counter()
+        if self.codec is None:
+            # non-blocking + wait: on the lane the wait yields the CPU to backward
+            comm.allreduce_async(bucket.buffer, self.op, out=bucket.buffer, name=bucket.id).wait()
+        else:
+            from .codecs.collective import compressed_allreduce
+
+            compressed_allreduce(comm, bucket.buffer, self.op, codec=self.codec, out=bucket.buffer, name=bucket.id)
+        if self.postscale != 1.0:
+            bucket.buffer *= self.postscale
+        return time.perf_counter() - start
+
+    def missing(self) -> list[str]:
+        """Return the names not yet added in this round."""
+        return [n for b in self.buckets for n, f in zip(b.names, b.filled) if not f]
+
+    def in_flight(self) -> int:
+        """Return how many buckets were launched and not yet waited for."""
+        return sum(b.handle is not None for b in self.buckets)
+
+    def flush(self) -> list[str]:
+        """Zero-fill the slots nobody added and launch every remaining bucket; return those names."""
+        missing = self.missing()
+        for b in self.buckets:
+            for slot, f in enumerate(b.filled):
+                if not f:
+                    b.view(slot)[...] = 0
+                    b.filled[slot] = True
+        self._launch_ready()
+        return missing
+
+    def wait(self) -> dict[str, Any]:
+        """Flush, wait for every bucket and return ``{name: reduced view}``; reset for the next round."""
+        self.flush()
+        start = time.perf_counter()
+        for b in self.buckets:
+            self.comm_seconds += b.handle.wait()  # type: ignore[union-attr] # flush launched every bucket
+        self.exposed_seconds += time.perf_counter() - start
+        out = {}
+        for b in self.buckets:
+            for slot, name in enumerate(b.names):
+                out[name] = b.view(slot)
+            b.handle = None
+            b.filled = [False] * len(b.names)
+        self._next = 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the codec state (keyed by the stable bucket ids) for checkpoints."""
+        return {"codec": self.codec.state_dict() if self.codec is not None else None,
+                "bucket_ids": [b.id for b in self.buckets]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore codec state saved by :meth:`state_dict`."""
+        if self.codec is not None and state.get("codec") is not None:
+            self.codec.load_state_dict(state["codec"])
+
+
+class _Deferred(Handle):
+    """A handle that runs its work when waited for (``overlap=False``)."""
+
+    __slots__ = ()
+
+    def __init__(self, work: Any) -> None:
+        super().__init__([], work, None)
+
+    def test(self) -> bool:
+        self.wait()
+        return True
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._complete()
+        return self._result

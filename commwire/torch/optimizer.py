@@ -1,0 +1,305 @@
+"""``DistributedOptimizer``: average gradients across ranks while backward runs.
+
+It wraps any ``torch.optim.Optimizer`` by composition (no class is generated
+at run time): the wrapper shares the wrapped optimizer's ``param_groups`` and
+``state`` and is itself an ``Optimizer`` instance, so LR schedulers and
+gradient scalers accept it.
+
+Data flow of a step:
+1. a post-accumulate-grad hook fires when a parameter's gradient is ready (on
+   the ``backward_passes_per_step``-th backward pass) and copies it into its
+   fusion bucket (reverse registration order);
+2. a complete bucket starts its (compressed) all-reduce on the background
+   lane while backward continues;
+3. ``step()`` (or ``synchronize()``) waits for every bucket, writes the
+   averaged gradients into ``.grad`` and steps the wrapped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.runtime import world
+from ..fusion import DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_THRESHOLD_BYTES, FusionBuffer
+
+__all__ = ["DistributedOptimizer"]
+
+_MB = 1 << 20
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``(name, param)`` pairs (e.g. ``model.named_parameters()``);
+            names key codec state in checkpoints. Default: names ``param.{i}``.
+        compression: a codec spec (``Compression.fp8``, ``"ef+nvfp4"``, ...) or codec object.
+        backward_passes_per_step: backward passes accumulated locally before one
+            reduction (gradients are summed over the passes, as in Horovod).
+        op: ``Average`` or ``Sum``.
+        gradient_predivide_factor: divide gradients by this before the sum and by
+            ``size / factor`` after it (Average only), to steer clear of overflow.
+        fusion_threshold_mb: bucket size in MiB (0: one collective per tensor).
+        first_bucket_mb: size of the first bucket in MiB.
+        find_unused_parameters: exchange which parameters got a gradient, so a
+            parameter unused on every rank keeps ``grad=None`` (one extra small
+            all-reduce per step). Off: a missing gradient counts as zeros.
+        overlap: run collectives on a background thread during backward.
+        comm: communicator (default: the world).
+
+    Example:
+        >>> import commwire.torch as hvd
+        >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                                named_parameters=model.named_parameters(),
+        ...                                compression=hvd.Compression.fp8)
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        compression: Any = "none",
+        backward_passes_per_step: int = 1,
+        op: str = "avg",
+        gradient_predivide_factor: float = 1.0,
+        fusion_threshold_mb: float = DEFAULT_THRESHOLD_BYTES / _MB,
+        first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / _MB,
+        find_unused_parameters: bool = False,
+        overlap: bool = True,
+        comm: Communicator | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+        op = {"average": "avg", "mean": "avg"}.get(op, op)
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op={op!r} is not supported for gradients; use Average or Sum")
+        if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op != "avg"):
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average and a "
+                             "positive value")
+        self.comm = comm if comm is not None else world()
+        self._inner = optimizer
+        # Share, don't copy: the wrapped optimizer stays the single source of truth.
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self._init_hook_dicts()
+        self._named = _resolve_names(optimizer, named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.find_unused_parameters = find_unused_parameters
+        self._predivide = float(gradient_predivide_factor)
+        codec = None
+        if compression not in (None, "none"):
+            from ..codecs import get
+
+            codec = get(compression) if isinstance(compression, str) else compression
+        self._fusion = FusionBuffer(
+            [(n, p) for n, p in self._named],
+            comm=self.comm,
+            op="sum" if self._predivide != 1.0 else op,
+            codec=codec,
+            threshold_bytes=int(fusion_threshold_mb * _MB),
+            first_bucket_bytes=int(first_bucket_mb * _MB),
+            overlap=overlap,
+            postscale=self._predivide / self.comm.size if self._predivide != 1.0 else 1.0,
+        )
+        self._passes = {p: 0 for _, p in self._named}
+        self._names = {p: n for n, p in self._named}
+        self._synchronized = False
+        self._skip_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in self._named]
+        self.step_times: list[float] = []
+
+    def _init_hook_dicts(self) -> None:
+        # torch.optim.Optimizer machinery that LR schedulers and profilers touch.
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+
+    # ---------------------------------------------------------------- delegation
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """Return the wrapped optimizer's per-parameter state."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Return the wrapped optimizer."""
+        return self._inner
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._inner!r}, buckets={len(self._fusion.buckets)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("DistributedOptimizer holds MPI handles and cannot be pickled; save state_dict() instead")
+
+    # --------------------------------------------------------------- gradients
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        count = self._passes[p] + 1
+        if count > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"parameter {self._names[p]!r} got gradient #{count} before step(); set "
+                f"backward_passes_per_step={count} or call optimizer.step()/synchronize() after each "
+                f"{self.backward_passes_per_step} backward pass(es)"
+            )
+        self._passes[p] = count
+        if count == self.backward_passes_per_step:
+            name = self._names[p]
+            scale = 1.0 / self._predivide if self._predivide != 1.0 else 1.0
+            slot = self._fusion.view(name)
+            if p.grad.data_ptr() == slot.data_ptr():
+                self._fusion.mark(name, scale)  # autograd accumulated straight into the bucket
+            else:
+                self._fusion.add(name, p.grad.detach(), scale)
+                # From now on the gradient *is* its bucket slot (DDP's gradient_as_bucket_view):
+                # autograd accumulates into it in place, and the reduced values land in
+                # .grad without a copy back.
+                p.grad = slot
+
+    def synchronize(self) -> None:
+        """Wait for every gradient reduction and write the results into ``.grad``."""
+        if not any(self._passes.values()) and not self._fusion.in_flight():
+            raise RuntimeError("synchronize()/step() was called but no gradient was computed since the last step; "
+                               "call loss.backward() first")
+        unused = self._fusion.missing()
+        present = self._global_presence() if self.find_unused_parameters else None
+        start = time.perf_counter()
+        reduced = self._fusion.wait()
+        for name, p in self._named:
+            if present is not None and not present[name]:
+                p.grad = None  # unused on every rank: no gradient, as without distribution
+                continue
+            value = reduced[name]
+            if p.grad is None or p.grad.data_ptr() != value.data_ptr():
+                p.grad = value
+        self.step_times.append(time.perf_counter() - start)
+        for p in self._passes:
+            self._passes[p] = 0
+        self._synchronized = True
+        del unused
+
+    def _global_presence(self) -> dict[str, bool]:
+        local = torch.tensor([self._passes[p] > 0 for _, p in self._named], dtype=torch.uint8)
+        counts = self.comm.allreduce(local, "max", name="commwire.unused_parameters")
+        return {name: bool(c) for (name, _), c in zip(self._named, counts.tolist())}
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Let ``step()`` skip waiting (after an explicit ``synchronize()``, e.g. to clip gradients)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Synchronize the gradients (unless already done) and step the wrapped optimizer."""
+        if self._skip_sync:
+            if not self._synchronized:
+                raise RuntimeError("step() inside skip_synchronize() needs an explicit optimizer.synchronize() first")
+        elif not self._synchronized or any(self._passes.values()):
+            self.synchronize()
+        self._synchronized = False
+        return self._inner.step(closure) if closure is not None else self._inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place (they are views of the fusion buckets).
+
+        An error if reductions are still in flight. Gradients that are not
+        bucket views (set by the user) follow ``set_to_none``.
+        """
+        if self._fusion.in_flight():
+            raise RuntimeError(
+                "optimizer.zero_grad() was called while gradient reductions were in flight (after "
+                "loss.backward() and before optimizer.step()/synchronize()); call step() or synchronize() first"
+            )
+        if any(self._passes.values()) and not self._synchronized:
+            # Partial accumulation (backward_passes_per_step > 1) is discarded with the gradients.
+            for p in self._passes:
+                self._passes[p] = 0
+        # Gradients are views of the fusion buckets: zero the buckets in place (one
+        # memset each) instead of dropping the views, whatever set_to_none says.
+        self._fusion.zero_()
+        slots = {name: self._fusion.view(name).data_ptr() for name, _ in self._named}
+        for name, p in self._named:
+            if p.grad is not None and p.grad.data_ptr() != slots[name]:
+                p.grad = None if set_to_none else p.grad.zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refuse: gradient buckets are fixed at construction."""
+        raise RuntimeError("add param groups to the optimizer before wrapping it in DistributedOptimizer")
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Return the wrapped optimizer's state dict plus commwire's codec state under "commwire"."""
+        sd = self._inner.state_dict()
+        sd["commwire"] = self._fusion.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a state dict saved by :meth:`state_dict` (a plain optimizer's also loads)."""
+        sd = dict(state_dict)
+        ours = sd.pop("commwire", None)
+        self._inner.load_state_dict(sd)
+        if ours is not None:
+            saved_ids = ours.get("bucket_ids")
+            current = [b.id for b in self._fusion.buckets]
+            if saved_ids is not None and saved_ids != current:
+                raise ValueError("checkpoint buckets differ from this optimizer's (other parameters or fusion "
+                                 f"threshold): saved {len(saved_ids)} buckets, now {len(current)}; "
+                                 "use the same model and fusion_threshold_mb to resume codec state")
+            self._fusion.load_state_dict(ours)
+
+    # ------------------------------------------------------------------- stats
+    def overlap_stats(self) -> dict[str, float]:
+        """Return communication seconds, seconds exposed in step(), and the hidden fraction."""
+        comm_s, exposed = self._fusion.comm_seconds, self._fusion.exposed_seconds
+        hidden = max(0.0, 1.0 - exposed / comm_s) if comm_s > 0 else 0.0
+        return {"comm_s": comm_s, "exposed_s": exposed, "hidden_fraction": hidden}
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the wrapper stops reducing)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _resolve_names(optimizer: torch.optim.Optimizer,
+                   named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None
+                   ) -> list[tuple[str, torch.nn.Parameter]]:
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+    names = [n for n, _ in named]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"named_parameters has duplicate names: {dupes}")
+    by_id = {id(p): n for n, p in named}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"{len(unnamed)} optimizer parameter(s) (indices {unnamed[:5]}) are missing from "
+                         "named_parameters; pass model.named_parameters() of the model the optimizer trains")
+    # Registration order follows the optimizer, which is the model's order.
+    return [(by_id[id(p)], p) for p in params]
