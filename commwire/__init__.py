@@ -8,7 +8,8 @@ Example:
 Collectives accept numpy arrays, torch tensors and cupy arrays and return the
 same kind of array on the same device. ``codec=`` compresses what goes on the
 wire (see ``commwire.codecs``). torch and cupy are imported only when such an
-array is passed in.
+array is passed in; ``commwire.DistributedOptimizer`` (commwire.torch's)
+resolves on first use.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveMismatchError",
     "Communicator",
+    "DistributedOptimizer",
     "Handle",
     "allgather",
     "allgather_async",
@@ -159,6 +161,17 @@ def allgather_object(obj: Any, *, comm: Communicator | None = None) -> list[Any]
 def barrier(*, comm: Communicator | None = None) -> None:
     """Block until every rank reaches this call."""
     _comm(comm).barrier()
+
+
+def __getattr__(name: str) -> Any:
+    # torch-dependent names resolve on first use, so `import commwire` never imports torch.
+    if name == "DistributedOptimizer":
+        try:
+            from .torch import DistributedOptimizer
+        except ImportError as exc:
+            raise ImportError("commwire.DistributedOptimizer needs torch: pip install 'commwire[torch]'") from exc
+        return DistributedOptimizer
+    raise AttributeError(f"module 'commwire' has no attribute {name!r}")
 
 
 if _config.env_bool("COMMWIRE_RUN"):

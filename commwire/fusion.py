@@ -132,6 +132,9 @@ class FusionBuffer:
         self.overlap = overlap
         self.postscale = postscale
         self.buckets = self._build(list(tensors), threshold_bytes, first_bucket_bytes)
+        if self.codec is not None:
+            for b in self.buckets:  # transforms that act per weight matrix need the layout
+                self.codec.bind_layout(b.id, [(n, o, s) for n, o, s in zip(b.names, b.offsets, b.shapes)])
         self._where = {name: (b, slot) for b in self.buckets for slot, name in enumerate(b.names)}
         self._next = 0
         self.comm_seconds = 0.0

@@ -108,7 +108,7 @@ def run_allreduce_bench(
         if codec is not None:
             row.update(_codec_breakdown(cw.stats(), n))
             row["codec"] = codec
-            row["max_rel_err"] = float(np.linalg.norm(cw_out - raw_out) / max(np.linalg.norm(raw_out), 1e-30))
+            row["rel_l2_err"] = float(np.linalg.norm(cw_out - raw_out) / max(np.linalg.norm(raw_out), 1e-30))
         rows.append(row)
     return rows
 
@@ -140,7 +140,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     ours = "commwire" if base else f"commwire {rows[0]['codec']}"
     head = ["ranks", "size", "mpi4py µs", f"{ours} µs", "mpi4py GB/s", f"{ours} GB/s", "ratio (cw/raw)"]
     extra = sorted(k for k in rows[0] if k.endswith("_us") and k not in ("raw_us", "commwire_us"))
-    extra += [k for k in ("wire_bytes_per_elem", "max_rel_err") if k in rows[0]]
+    extra += [k for k in ("wire_bytes_per_elem", "rel_l2_err") if k in rows[0]]
     lines = ["| " + " | ".join(head + extra) + " |", "|" + "---|" * (len(head) + len(extra))]
     for r in rows:
         cells = [str(r["ranks"]), _human(r["bytes"]), f"{r['raw_us']:.1f}", f"{r['commwire_us']:.1f}",

@@ -63,3 +63,7 @@ __all__ = [
     "get_threads",
     "set_threads",
 ]
+
+from .gift import Gift, GiftConfig  # noqa: E402  # GIFT stage, registered as "gift+..." in registry.py
+
+__all__ += ["Gift", "GiftConfig"]

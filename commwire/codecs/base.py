@@ -162,6 +162,22 @@ class Codec(abc.ABC):
         """Return this codec and the codecs it wraps, outermost first."""
         return (self,)
 
+    # ---- whole-tensor coordinates (GIFT-style transforms) ----------------------
+    def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
+        """Map a whole flat float32 tensor to wire coordinates before a collective chunks it.
+
+        Identity here. A transform that must see whole weight matrices (rows
+        cut across chunks) overrides this; it must be linear and identical on
+        every rank, so that it commutes with the sum. Never modifies ``x``.
+        """
+        return x
+
+    def tensor_inverse(self, y: Any, key: Hashable = None) -> None:
+        """Map a reduced flat tensor back from wire coordinates, in place (identity here)."""
+
+    def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        """Learn which named tensors (name, offset, shape) a fused buffer ``key`` holds (unused here)."""
+
     # ---- low-level API: flat float32 and raw bytes ----------------------------
     def encode_into(self, x: Any, out: Any, key: Hashable = None) -> None:
         """Encode the flat float32 vector ``x`` into ``out``, a uint8 buffer of wire_nbytes(len(x))."""

@@ -236,13 +236,16 @@ def compressed_allreduce(
     if comm.check:
         verify(comm.mpi, ("compressed_allreduce", name, host.shape, str(host.dtype), op, None, codec.spec))
     start = _perf()
+    key = name if name is not None else ("shape", host.shape)
     flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
+    flat = codec.tensor_forward(flat, key)
     result = np.empty(flat.size, dtype=_F32)
-    run = _Run(comm, codec, name if name is not None else ("shape", host.shape), op != "sum")
+    run = _Run(comm, codec, key, op != "sum")
     if flat.size * 4 < small_bytes or comm.size == 1:
         run.gathered(flat, result)
     else:
         run.pipelined(flat, result, segment_bytes)
+    codec.tensor_inverse(result, key)
     adapter.release(host)
     shaped = result.reshape(host.shape)
     final = shaped if host.dtype == _F32 else shaped.astype(host.dtype)

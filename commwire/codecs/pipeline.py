@@ -67,6 +67,18 @@ class Pipeline(Codec):
         """Return this pipeline and the stages of its codec."""
         return (self, *self.codec.stages)
 
+    def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
+        """Delegate whole-tensor mapping to the wrapped codec."""
+        return self.codec.tensor_forward(x, key)
+
+    def tensor_inverse(self, y: Any, key: Hashable = None) -> None:
+        """Delegate the inverse whole-tensor mapping to the wrapped codec."""
+        self.codec.tensor_inverse(y, key)
+
+    def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        """Pass a fused buffer's layout on to the wrapped codec."""
+        self.codec.bind_layout(key, layout)
+
     def wire_nbytes(self, n: int) -> int:
         """Return the inner codec's size: transforms preserve the length."""
         return self.codec.wire_nbytes(n)

@@ -148,3 +148,7 @@ register_codec("fp8-e5m2", lambda **options: Fp8Codec(format="e5m2", **options))
 register_codec("nvfp4", Nvfp4Codec)
 register_stage("ef", ErrorFeedback)
 register_stage("hadamard", lambda inner, **options: Pipeline(HadamardTransform(**options), inner))
+
+from .gift import Gift  # noqa: E402  # GIFT stage (commwire/codecs/gift.py): "gift+fp8-e4m3"
+
+register_stage("gift", Gift.from_spec)

@@ -59,3 +59,7 @@ __all__ = [
     "size",
     "synchronize",
 ]
+
+from .local_sgd import DiLoCo, LoRDO, LowRankAdam, state_nbytes
+
+__all__ += ["DiLoCo", "LoRDO", "LowRankAdam", "state_nbytes"]

@@ -39,6 +39,8 @@ class Compression:
     fp8_ef = "ef+fp8-e4m3"
     nvfp4 = "nvfp4"
     nvfp4_ef = "ef+nvfp4"
+    gift_fp8 = "gift+fp8-e4m3"  # GIFT transform (commwire.codecs.gift); needs DistributedOptimizer(model=...)
+    gift_nvfp4 = "gift+nvfp4"
 
 
 def allreduce(tensor: torch.Tensor, op: str = Average, name: str | None = None,

@@ -54,6 +54,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             all-reduce per step). Off: a missing gradient counts as zeros.
         overlap: run collectives on a background thread during backward.
         comm: communicator (default: the world).
+        model: the trained module; needed by GIFT compressions (``Compression.gift_fp8``),
+            whose transform uses its ``nn.Linear`` input statistics (commwire.torch.gift).
 
     Example:
         >>> import commwire.torch as hvd
@@ -75,6 +77,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         find_unused_parameters: bool = False,
         overlap: bool = True,
         comm: Communicator | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -114,6 +117,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             overlap=overlap,
             postscale=self._predivide / self.comm.size if self._predivide != 1.0 else 1.0,
         )
+        # GIFT (commwire/torch/gift.py): hook the model's nn.Linear inputs, refresh every K steps.
+        self._gift: Any = None
+        from .gift import attach, find_gift
+
+        if find_gift(codec) is not None:
+            if model is None:
+                raise ValueError(f"compression {codec.spec!r} needs layer input statistics: pass model=<the "
+                                 "nn.Module being trained> to DistributedOptimizer")
+            attach(model, self)
         self._passes = {p: 0 for _, p in self._named}
         self._names = {p: n for n, p in self._named}
         self._synchronized = False
@@ -219,7 +231,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif not self._synchronized or any(self._passes.values()):
             self.synchronize()
         self._synchronized = False
-        return self._inner.step(closure) if closure is not None else self._inner.step()
+        result = self._inner.step(closure) if closure is not None else self._inner.step()
+        if self._gift is not None:  # GIFT: count the step; every K steps refresh the factors (collective)
+            self._gift.after_step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the fusion buckets).
@@ -268,6 +283,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  f"threshold): saved {len(saved_ids)} buckets, now {len(current)}; "
                                  "use the same model and fusion_threshold_mb to resume codec state")
             self._fusion.load_state_dict(ours)
+            if self._gift is not None:  # GIFT: refuse factors that differ between ranks (collective)
+                self._gift.stage.verify(self.comm)
 
     # ------------------------------------------------------------------- stats
     def overlap_stats(self) -> dict[str, float]:

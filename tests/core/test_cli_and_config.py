@@ -123,3 +123,13 @@ def test_collective_before_init_is_a_clear_error():
     code = "import commwire as cw, numpy as np; cw.allreduce(np.ones(2))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "call commwire.init() first" in proc.stderr
+
+
+def test_import_commwire_does_not_import_torch_and_resolves_optimizer_lazily():
+    import subprocess
+
+    code = ("import sys, commwire; assert 'torch' not in sys.modules and 'mpi4py.MPI' not in sys.modules; "
+            "import commwire.torch as hvd; assert commwire.DistributedOptimizer is hvd.DistributedOptimizer; "
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
