@@ -11,15 +11,18 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | COMMWIRE_THREAD_LEVEL | single/funneled/serialized/multiple | MPI thread level requested at init |
 | COMMWIRE_CUDA_AWARE | auto/0/1 | pass device pointers straight to MPI (auto = detect) |
 | COMMWIRE_RUN | bool | set by ``commwire run``: install the abort-on-exception hook at import |
+| COMMWIRE_RUN_DIR | path | set by ``commwire run``: where ranks leave their status files |
 | COMMWIRE_ABORT_ON_ERROR | bool | abort the whole job when any rank raises (default on) |
 | COMMWIRE_LAB_DIR | path | state directory of the emulated cluster (default /run/commwire-lab) |
+| COMMWIRE_TIMEOUT | seconds | stall watchdog: report a collective waiting this long (default 300, 0 = off) |
+| COMMWIRE_ON_STALL | abort/warn | what the watchdog does after its report (default abort) |
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["env_bool", "env_str", "env_choice", "VARIABLES"]
+__all__ = ["env_bool", "env_str", "env_choice", "env_float", "VARIABLES"]
 
 VARIABLES = (
     "COMMWIRE_CHECK",
@@ -27,8 +30,11 @@ VARIABLES = (
     "COMMWIRE_THREAD_LEVEL",
     "COMMWIRE_CUDA_AWARE",
     "COMMWIRE_RUN",
+    "COMMWIRE_RUN_DIR",
     "COMMWIRE_ABORT_ON_ERROR",
     "COMMWIRE_LAB_DIR",
+    "COMMWIRE_TIMEOUT",
+    "COMMWIRE_ON_STALL",
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -57,6 +63,17 @@ def env_bool(name: str, default: bool = False) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def env_float(name: str, default: float) -> float:
+    """Parse a numeric COMMWIRE_* variable."""
+    raw = env_str(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; use e.g. {default:g}") from None
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

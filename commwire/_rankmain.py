@@ -13,6 +13,7 @@ import runpy
 import sys
 import traceback
 
+from .comm.ranklog import record, start_guardian
 from .comm.runtime import _report_and_abort, install_abort_hook
 
 
@@ -38,6 +39,8 @@ def _run(argv: list[str]) -> None:
 
 def main() -> None:
     """Run the program named on the command line under the abort hook."""
+    record("running")
+    start_guardian()  # before MPI and threads: forking is safe now
     install_abort_hook()
     try:
         _run(sys.argv[1:])
@@ -47,9 +50,11 @@ def main() -> None:
             if not isinstance(code, int):
                 sys.stderr.write(f"{code}\n")
             _report_and_abort(f"SystemExit({code!r})\n")
+        record("exited")
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure must abort the job
         _report_and_abort("".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))))
+    record("exited")
 
 
 def _user_frames(tb):  # type: ignore[no-untyped-def]

@@ -133,20 +133,23 @@ def _human(nbytes: int) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Render benchmark rows as a Markdown table."""
+    """Render benchmark rows as a Markdown table (plain or compressed mode)."""
     if not rows:
         return "(no rows)"
-    base = rows[0].get("codec") is None
-    ours = "commwire" if base else f"commwire {rows[0]['codec']}"
-    head = ["ranks", "size", "mpi4py µs", f"{ours} µs", "mpi4py GB/s", f"{ours} GB/s", "ratio (cw/raw)"]
-    extra = sorted(k for k in rows[0] if k.endswith("_us") and k not in ("raw_us", "commwire_us"))
-    extra += [k for k in ("wire_bytes_per_elem", "rel_l2_err") if k in rows[0]]
-    lines = ["| " + " | ".join(head + extra) + " |", "|" + "---|" * (len(head) + len(extra))]
-    for r in rows:
-        cells = [str(r["ranks"]), _human(r["bytes"]), f"{r['raw_us']:.1f}", f"{r['commwire_us']:.1f}",
-                 f"{r['raw_GBps']:.3f}", f"{r['commwire_GBps']:.3f}", f"{r['ratio']:.2f}"]
-        cells += [f"{r[k]:.4g}" for k in extra]
-        lines.append("| " + " | ".join(cells) + " |")
+    if rows[0].get("codec") is None:
+        head = ["ranks", "size", "mpi4py µs", "commwire µs", "mpi4py GB/s", "commwire GB/s", "ratio (cw/raw)"]
+        body = [[str(r["ranks"]), _human(r["bytes"]), f"{r['raw_us']:.1f}", f"{r['commwire_us']:.1f}",
+                 f"{r['raw_GBps']:.3f}", f"{r['commwire_GBps']:.3f}", f"{r['ratio']:.2f}"] for r in rows]
+    else:
+        head = ["ranks", "size", "codec", "FP32 MPI ms", "compressed ms", "speedup", "encode ms", "transfer ms",
+                "decode ms", "wire B/elem", "rel. L2 error"]
+        body = [[str(r["ranks"]), _human(r["bytes"]), r["codec"], f"{r['raw_us'] / 1e3:.2f}",
+                 f"{r['commwire_us'] / 1e3:.2f}", f"{r['raw_us'] / r['commwire_us']:.2f}",
+                 f"{r.get('encode_us', 0) / 1e3:.2f}", f"{r.get('transfer_us', 0) / 1e3:.2f}",
+                 f"{r.get('decode_us', 0) / 1e3:.2f}", f"{r.get('wire_bytes_per_elem', 0):.4f}",
+                 f"{r.get('rel_l2_err', 0):.4f}"] for r in rows]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
     return "\n".join(lines)
 
 
@@ -157,11 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes (bytes, K, M)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved batches per size (median taken)")
     parser.add_argument("--budget", type=float, default=0.02, help="seconds per timed batch (approx.)")
-    parser.add_argument("--codec", default=None, help="compare a compressed all-reduce (e.g. fp8-e4m3) with FP32")
+    parser.add_argument("--codec", default=None,
+                        help="compare compressed all-reduces with the FP32 one: a spec or a comma list "
+                             "(e.g. fp8-e4m3,nvfp4)")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    rows = run_allreduce_bench(sizes, repeats=args.repeats, budget_s=args.budget, codec=args.codec)
+    codecs = [c.strip() for c in args.codec.split(",") if c.strip()] if args.codec else [None]
+    rows = [row for codec in codecs
+            for row in run_allreduce_bench(sizes, repeats=args.repeats, budget_s=args.budget, codec=codec)]
     import commwire as cw
 
     if cw.rank() == 0:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 import click
@@ -113,7 +114,27 @@ def run(np_: int, hosts: str | None, hostfile: str | None, env_pairs: tuple[str,
     if dry_run:
         click.echo(shlex.join(argv))
         return
-    sys.exit(_spawn(argv, env))
+    sys.exit(_run_and_report(argv, env, np_))
+
+
+def _run_and_report(argv: list[str], env: dict[str, str], np_: int) -> int:
+    """Run the launcher; on failure name the ranks that failed and how (from their status files)."""
+    import shutil
+    import tempfile
+
+    from ..comm.ranklog import summarize
+
+    run_dir = tempfile.mkdtemp(prefix="commwire-run-")
+    try:
+        status = _spawn(argv, {**env, "COMMWIRE_RUN_DIR": run_dir})
+        if status != 0:
+            time.sleep(0.2)  # let the ranks' guardians record the last deaths
+            click.echo(f"commwire run: the job failed (launcher exit status {status})", err=True)
+            for line in summarize(run_dir, np_):
+                click.echo(f"  {line}", err=True)
+        return status
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @cli.command()

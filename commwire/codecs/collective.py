@@ -119,7 +119,8 @@ class _Run:
 
     def _wait(self, req: Any) -> None:
         t = _perf()
-        wait_requests([req])
+        with self.comm.watched("compressed_allreduce", self.key if isinstance(self.key, str) else None):
+            wait_requests([req])
         self.times["transfer"] += _perf() - t
 
     def pipelined(self, flat: np.ndarray, result: np.ndarray, segment_bytes: int) -> None:

@@ -55,6 +55,8 @@ class Communicator:
         check: bool = False,
         timeline: Timeline | None = None,
         cuda_aware: bool = False,
+        watchdog: Any = None,
+        uid: str = "world",
     ) -> None:
         from mpi4py import MPI
 
@@ -68,6 +70,10 @@ class Communicator:
         self.cuda_aware = cuda_aware
         self._mpi_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
         self._node: Communicator | None = None
+        self.watchdog = watchdog
+        self.uid = uid  # the same on every member: names this communicator in stall reports
+        self._seq = 0
+        self._derived = 0
 
     def __repr__(self) -> str:
         return f"<commwire.Communicator rank {self.rank} of {self.size}>"
@@ -96,7 +102,7 @@ class Communicator:
         nonblocking: bool,
     ) -> Any:
         start = _perf()
-        counters, timeline = self.counters, self.timeline
+        counters, timeline, watchdog = self.counters, self.timeline, self.watchdog
 
         def complete() -> Any:
             result = finish()
@@ -106,15 +112,29 @@ class Communicator:
                 timeline.add(name or opname, start, end, op=opname, bytes=nbytes)
             return result
 
+        if watchdog is None:
+            if nonblocking:
+                return Handle([call(*args)], complete, name)
+            call(*args)
+            return complete()
+        self._seq += 1
         if nonblocking:
-            request = call(*args)
-            return Handle([request], complete, name)
-        call(*args)
+            return Handle([call(*args)], complete, name, (watchdog, self.uid, self._seq, opname))
+        token = watchdog.enter(self.uid, self._seq, opname, name)
+        try:
+            call(*args)
+        finally:
+            watchdog.leave(token)
         return complete()
+
+    def watched(self, opname: str, name: str | None = None) -> Any:
+        """Return a context manager that registers a blocking wait with the stall watchdog."""
+        return _Watched(self, opname, name)
 
     def _verify(self, *signature: Any) -> None:
         if self.check:
-            verify(self.mpi, signature)
+            with self.watched("check " + str(signature[0]), signature[1]):
+                verify(self.mpi, signature)
 
     def _device_direct(self, x: Any) -> bool:
         return self.cuda_aware and arrays.is_device_array(x)
@@ -220,7 +240,8 @@ class Communicator:
             send = send.reshape(1)
         if self.check:
             self._verify("allgather", name, send.shape[1:], str(send.dtype))
-        rows = _exchange_rows(self, send)
+        with self.watched("allgather sizes", name):
+            rows = _exchange_rows(self, send)
         recv = np.empty((int(rows.sum()),) + send.shape[1:], dtype=send.dtype)
         row_bytes = send.itemsize * int(np.prod(send.shape[1:], dtype=np.int64))
         counts = rows * row_bytes
@@ -343,21 +364,24 @@ class Communicator:
         """Return root's picklable ``obj`` on every rank."""
         self._check_root(root)
         start = _perf()
-        result = self.mpi.bcast(obj, root=root)
+        with self.watched("broadcast_object"):
+            result = self.mpi.bcast(obj, root=root)
         self.counters.record("broadcast_object", 0, _perf() - start)
         return result
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's picklable ``obj``, in rank order."""
         start = _perf()
-        result = self.mpi.allgather(obj)
+        with self.watched("allgather_object"):
+            result = self.mpi.allgather(obj)
         self.counters.record("allgather_object", 0, _perf() - start)
         return result
 
     def barrier(self) -> None:
         """Block until every rank has reached this call."""
         start = _perf()
-        self.mpi.Barrier()
+        with self.watched("barrier"):
+            self.mpi.Barrier()
         self.counters.record("barrier", 0, _perf() - start)
 
     # ----------------------------------------------------------------- groups
@@ -389,13 +413,35 @@ class Communicator:
         return self._node
 
     def _derive(self, mpi_comm: Any) -> Communicator:
+        # Derivations are collective, so every member numbers them alike.
+        self._derived += 1
         return Communicator(
-            mpi_comm, counters=self.counters, check=self.check, timeline=self.timeline, cuda_aware=self.cuda_aware
+            mpi_comm, counters=self.counters, check=self.check, timeline=self.timeline, cuda_aware=self.cuda_aware,
+            watchdog=self.watchdog, uid=f"{self.uid}/{self._derived}",
         )
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.size:
             raise ValueError(f"root={root} is not a rank of this communicator; use 0..{self.size - 1}")
+
+
+class _Watched:
+    """Register a blocking wait of ``comm`` with its watchdog (no-op without one)."""
+
+    __slots__ = ("comm", "opname", "name", "token")
+
+    def __init__(self, comm: Communicator, opname: str, name: str | None) -> None:
+        self.comm, self.opname, self.name, self.token = comm, opname, name, None
+
+    def __enter__(self) -> None:
+        wd = self.comm.watchdog
+        if wd is not None:
+            self.comm._seq += 1
+            self.token = wd.enter(self.comm.uid, self.comm._seq, self.opname, self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.token is not None:
+            self.comm.watchdog.leave(self.token)
 
 
 def split_rows(n: int, parts: int) -> np.ndarray:

@@ -44,14 +44,16 @@ class Handle:
     is built in place in the receive buffer instead of in a second copy.
     """
 
-    __slots__ = ("_requests", "_finish", "_result", "_done", "name")
+    __slots__ = ("_requests", "_finish", "_result", "_done", "name", "watch")
 
-    def __init__(self, requests: list[Any], finish: Callable[[], Any], name: str | None = None) -> None:
+    def __init__(self, requests: list[Any], finish: Callable[[], Any], name: str | None = None,
+                 watch: tuple[Any, ...] | None = None) -> None:
         self._requests = requests
         self._finish = finish
         self._result: Any = None
         self._done = False
         self.name = name
+        self.watch = watch  # (watchdog, communicator id, sequence number, operation) while waiting
 
     def _complete(self) -> None:
         self._done = True
@@ -73,7 +75,15 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation completes and return its result."""
         if not self._done:
-            wait_requests(self._requests)
+            if self.watch is None:
+                wait_requests(self._requests)
+            else:
+                watchdog, comm_id, seq, op = self.watch
+                token = watchdog.enter(comm_id, seq, op, self.name)
+                try:
+                    wait_requests(self._requests)
+                finally:
+                    watchdog.leave(token)
             self._complete()
         return self._result
 

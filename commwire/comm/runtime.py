@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a collective may wait before the stall watchdog reports (COMMWIRE_TIMEOUT)."""
 
 _world: Communicator | None = None
 _counters = Counters()
@@ -52,6 +54,8 @@ def init(
     thread_level: str | None = None,
     cuda_aware: bool | None = None,
     abort_on_error: bool | None = None,
+    timeout: float | None = None,
+    on_stall: str | None = None,
 ) -> Communicator:
     """Initialise MPI (once) and return the world communicator.
 
@@ -67,6 +71,11 @@ def init(
             (fallback: COMMWIRE_CUDA_AWARE=auto/0/1).
         abort_on_error: abort the whole job when this rank raises an
             unhandled exception (fallback: COMMWIRE_ABORT_ON_ERROR, default on).
+        timeout: seconds a collective may wait for the other ranks before the
+            stall watchdog reports which ranks are missing (fallback:
+            COMMWIRE_TIMEOUT, default 300; 0 disables the watchdog).
+        on_stall: "abort" the job after the report (default) or only "warn"
+            (fallback: COMMWIRE_ON_STALL).
     """
     global _world, _thread_level
     with _lock:
@@ -89,7 +98,17 @@ def init(
         recorder = Timeline(path, mpi_comm.Get_rank()) if path else None
         if cuda_aware is None:
             cuda_aware = _detect_cuda_aware()
-        _world = Communicator(mpi_comm, counters=_counters, check=check, timeline=recorder, cuda_aware=cuda_aware)
+        timeout = _config.env_float("COMMWIRE_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout
+        on_stall = on_stall or _config.env_choice("COMMWIRE_ON_STALL", ("abort", "warn"), "abort")
+        if timeout < 0:
+            raise ValueError(f"timeout={timeout} must be >= 0 seconds (0 disables the stall watchdog)")
+        watchdog = None
+        if timeout > 0 and mpi_comm.Get_size() > 1:
+            from .watchdog import Watchdog
+
+            watchdog = Watchdog(mpi_comm, timeout=timeout, action=on_stall)
+        _world = Communicator(mpi_comm, counters=_counters, check=check, timeline=recorder, cuda_aware=cuda_aware,
+                              watchdog=watchdog)
         if _config.env_bool("COMMWIRE_ABORT_ON_ERROR", True) if abort_on_error is None else abort_on_error:
             install_abort_hook()
         atexit.register(_finalize_at_exit)
@@ -123,6 +142,8 @@ def finalize() -> None:
         per_rank = world_comm.mpi.gather(world_comm.timeline.events, root=0)
         if world_comm.rank == 0:
             world_comm.timeline.write(per_rank)
+    if world_comm.watchdog is not None:
+        world_comm.watchdog.close()
 
 
 def _finalize_at_exit() -> None:
@@ -238,8 +259,12 @@ def install_abort_hook() -> None:
     threading.excepthook = thread_hook
 
 
-def _report_and_abort(text: str) -> None:
+def _report_and_abort(text: str, status: str = "raised") -> None:
     from mpi4py import MPI
+
+    from .ranklog import record
+
+    record(status, text.strip().splitlines()[-1] if text.strip() else "")
 
     who, total = _rank_from_env()
     if MPI.Is_initialized() and not MPI.Is_finalized():

@@ -105,6 +105,17 @@ def test_bench_allreduce_runs_and_reports_ratio():
     assert all(r > 0 for r in ratios)
 
 
+def test_bench_allreduce_codecs_reports_speedup_and_phases():
+    proc = _commwire("bench", "allreduce", "-np", "2", "--sizes", "1M", "--repeats", "1",
+                     "--codec", "fp8-e4m3,nvfp4", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[3].strip(): line.split("|") for line in proc.stdout.splitlines()
+            if line.startswith("| 2 |")}
+    assert set(rows) == {"fp8-e4m3", "nvfp4"}, proc.stdout
+    assert 1.0 <= float(rows["fp8-e4m3"][10]) < 1.01 and 0.5625 <= float(rows["nvfp4"][10]) < 0.57
+    assert float(rows["fp8-e4m3"][11]) < 0.06 and float(rows["nvfp4"][11]) < 0.2
+
+
 def test_singleton_without_mpiexec():
     code = ("import commwire as cw, numpy as np; c = cw.init(); assert cw.size() == 1 and cw.rank() == 0; "
             "print(cw.allreduce(np.arange(3.0), op='avg').tolist(), cw.thread_level())")
@@ -113,3 +124,58 @@ def test_singleton_without_mpiexec():
                           cwd=Path(ROOT))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[0.0, 1.0, 2.0] multiple"
+
+
+def test_watchdog_names_the_missing_rank_and_aborts(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import commwire as cw, numpy as np, time\n"
+        "cw.init(timeout=2)\n"
+        "cw.allreduce(np.ones(2), name='warmup')\n"
+        "if cw.rank() == 1:\n"
+        "    time.sleep(60)\n"
+        "cw.allreduce(np.ones(4), name='grad.layer3')\n"
+    )
+    start = time.monotonic()
+    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 2 + 10
+    assert "allreduce 'grad.layer3'" in proc.stderr
+    assert "missing from this collective: ranks [1]" in proc.stderr
+    assert "rank 1: not in any collective; last completed allreduce 'warmup'" in proc.stderr
+
+
+def test_watchdog_warn_mode_lets_a_slow_rank_finish(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import commwire as cw, numpy as np, time\n"
+        "cw.init(timeout=1, on_stall='warn')\n"
+        "if cw.rank() == 0:\n"
+        "    time.sleep(2.5)\n"
+        "print('sum', cw.allreduce(np.ones(1), name='late')[0])\n"
+    )
+    proc = _commwire("run", "-np", "2", sys.executable, str(script), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("sum 2.0") == 2
+    assert "missing from this collective: ranks [0]" in proc.stderr and "continuing to wait" in proc.stderr
+
+
+def test_killed_rank_is_named_and_nothing_is_left_running(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(
+        "import commwire as cw, numpy as np, os, signal\n"
+        "cw.init()\n"
+        "for i in range(400):\n"
+        "    if cw.rank() == 1 and i == 20:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    cw.allreduce(np.ones(1 << 14), name=f'step{i}')\n"
+    )
+    start = time.monotonic()
+    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 10
+    first = [line for line in proc.stderr.splitlines() if "died first" in line]
+    assert len(first) == 1 and first[0].strip().startswith("rank 1 "), proc.stderr
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
