@@ -1,0 +1,266 @@
+"""LocalSync: K local steps, then one average of pseudo-gradients and an outer step (local SGD, DiLoCo).
+
+Every rank keeps a reference copy θ_ref of the weights (identical on all
+ranks). Between synchronisations each rank trains its own copy; on every K-th
+step the pseudo-gradients Δ_m = θ_ref − θ_m travel in one fused all-reduce per
+dtype, the outer step updates θ_ref and every rank restarts from it:
+
+    Δ = avg_m(Δ_m);  b = μ·b + Δ;  θ_ref −= outer_lr · (Δ + μ·b if nesterov else b)
+
+outer_lr = 1, μ = 0 is plain parameter averaging (local SGD / local Adam);
+outer_lr = 0.7, μ = 0.9, Nesterov is DiLoCo's outer optimizer. Optimizer
+states named by the caller (moments, error-feedback buffers) can be averaged
+at the same sync in a second fused message.
+
+Arrays are numpy arrays or torch tensors (one kind per schedule); only
+operators, slicing and the Communicator are used, so the same code serves both.
+A torch caller runs :meth:`LocalSync.sync` under ``torch.no_grad()``.
+
+Example:
+    >>> sched = LocalSync(model_named_params, LocalSyncConfig(sync_every=32, outer_lr=0.7, outer_momentum=0.9))
+    >>> for step in range(steps):
+    ...     local_update(...)
+    ...     if sched.tick():
+    ...         sched.sync()
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..comm.communicator import Communicator
+from ..fusion import FusionBuffer
+
+__all__ = ["LocalSync", "LocalSyncConfig", "wire_bytes", "check_identical"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalSyncConfig:
+    """When to synchronise, how to apply the averaged pseudo-gradient and what carries it."""
+
+    sync_every: int = 32
+    """K: local steps between synchronisations (1 = every step)."""
+    outer_lr: float = 1.0
+    """Outer learning rate (1 with no momentum = plain averaging)."""
+    outer_momentum: float = 0.0
+    """Outer momentum μ (DiLoCo: 0.9)."""
+    nesterov: bool = True
+    """Use Nesterov's form of the outer momentum (ignored when μ = 0)."""
+    codec: Any = None
+    """Wire format of the pseudo-gradients: None/"none", a spec like "fp8-e4m3", or a codec object."""
+    state_codec: Any = None
+    """Wire format of averaged optimizer states (default: uncompressed)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, (int, np.integer)) \
+                or self.sync_every < 1:
+            raise ValueError(f"sync_every={self.sync_every!r} must be an integer >= 1 (1 syncs every step)")
+        if not self.outer_lr > 0:
+            raise ValueError(f"outer_lr={self.outer_lr} must be > 0 (1.0 = plain averaging)")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum={self.outer_momentum} must lie in [0, 1) (DiLoCo uses 0.9)")
+
+
+def wire_bytes(codec: Any, nbytes: int, itemsize: int) -> int:
+    """Return the bytes one all-reduce of ``nbytes`` hands to MPI with ``codec`` (by formula)."""
+    if codec is None or codec == "none":
+        return int(nbytes)
+    from ..codecs.collective import resolve_codec
+
+    c = resolve_codec(codec)
+    if c.lossless:
+        return int(nbytes)
+    # Lossy payloads are counted as one encoded tensor; the pipelined collective adds one
+    # scale per chunk for per-tensor-scaled formats (4 bytes x ranks x segments at most).
+    return int(c.wire_nbytes(nbytes // itemsize))
+
+
+def _copy(x: Any) -> Any:
+    return x.copy() if isinstance(x, np.ndarray) else x.detach().clone()
+
+
+def _zeros_like(x: Any) -> Any:
+    return np.zeros_like(x) if isinstance(x, np.ndarray) else x.detach().new_zeros(x.shape)
+
+
+def _nbytes(x: Any) -> int:
+    return int(x.nbytes) if isinstance(x, np.ndarray) else x.numel() * x.element_size()
+
+
+def _fingerprint(x: Any) -> int:
+    import zlib
+
+    host = x if isinstance(x, np.ndarray) else x.detach().cpu().contiguous().numpy()
+    return zlib.crc32(np.ascontiguousarray(host).view(np.uint8).reshape(-1).data)
+
+
+def check_identical(named: Sequence[tuple[str, Any]], comm: Communicator) -> None:
+    """Raise ValueError on every rank if any array differs between ranks (CRC32 allgather)."""
+    mine = [_fingerprint(x) for _, x in named]
+    everyone = comm.allgather_object(mine)
+    for i, (name, _) in enumerate(named):
+        values = [hashes[i] for hashes in everyone]
+        if len(set(values)) > 1:
+            differ = [r for r, h in enumerate(values) if h != values[0]]
+            raise ValueError(f"parameter {name!r} differs between ranks at the start (ranks {differ} differ from "
+                             "rank 0); broadcast the model first, e.g. "
+                             "commwire.torch.broadcast_parameters(model.state_dict(), root_rank=0)")
+
+
+def _fusion(named: Sequence[tuple[str, Any]], comm: Communicator, codec: Any) -> FusionBuffer | None:
+    if not named:
+        return None
+    # One bucket per dtype/device (no size limit, first-bucket limit off): the fewest messages.
+    return FusionBuffer(list(named), comm=comm, op="avg", codec=codec, threshold_bytes=sys.maxsize,
+                        first_bucket_bytes=0, overlap=False)
+
+
+class LocalSync:
+    """Average pseudo-gradients every K steps and apply the outer step to the reference weights.
+
+    Args:
+        params: ``(name, array)`` pairs, the live weights (numpy arrays or torch
+            tensors), identical on every rank now.
+        config: the schedule settings.
+        comm: communicator (default: the world).
+        states: ``(name, array)`` pairs giving the names and shapes of optimizer
+            states to average at each sync (the arrays themselves are passed to
+            :meth:`sync`, since an optimizer may replace them, e.g. on load).
+        check: verify that ``params`` are identical on every rank.
+    """
+
+    def __init__(self, params: Sequence[tuple[str, Any]], config: LocalSyncConfig | None = None, *,
+                 comm: Communicator | None = None, states: Sequence[tuple[str, Any]] = (),
+                 check: bool = True) -> None:
+        if comm is None:
+            from ..comm.runtime import world
+
+            comm = world()
+        self.comm = comm
+        self.config = config if config is not None else LocalSyncConfig()
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("LocalSync needs at least one parameter; got an empty list")
+        if check:
+            check_identical(self.params, comm)
+        self.reference = {name: _copy(x) for name, x in self.params}
+        self.momentum = ({name: _zeros_like(x) for name, x in self.params}
+                         if self.config.outer_momentum > 0 else {})
+        self._pseudo = _fusion(self.params, comm, self.config.codec)
+        self.state_names = [name for name, _ in states]
+        self._states = _fusion(list(states), comm, self.config.state_codec)
+        self.steps = 0
+        self.syncs = 0
+
+    # --------------------------------------------------------------- schedule
+    def tick(self) -> bool:
+        """Count one local step; return True when this step must end with :meth:`sync`."""
+        self.steps += 1
+        return self.steps % self.config.sync_every == 0
+
+    def sync(self, states: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Average pseudo-gradients (and ``states`` in place), take the outer step, reset the weights.
+
+        Returns:
+            ``{name: averaged pseudo-gradient}`` as views valid until the next sync.
+        """
+        for name, x in self.params:
+            slot = self._pseudo.view(name)
+            slot[...] = self.reference[name]
+            slot -= x
+            self._pseudo.mark(name)
+        delta = self._pseudo.wait()
+        if self._states is not None:
+            self._average_states(states or {})
+        cfg = self.config
+        for name, x in self.params:
+            d, ref = delta[name], self.reference[name]
+            if cfg.outer_momentum > 0:
+                buf = self.momentum[name]
+                buf *= cfg.outer_momentum
+                buf += d
+                ref -= cfg.outer_lr * (d + cfg.outer_momentum * buf if cfg.nesterov else buf)
+            elif cfg.outer_lr == 1.0:
+                ref -= d
+            else:
+                ref -= cfg.outer_lr * d
+            x[...] = ref
+        self.syncs += 1
+        return delta
+
+    def _average_states(self, states: Mapping[str, Any]) -> None:
+        missing = [n for n in self.state_names if n not in states]
+        if missing:
+            raise ValueError(f"sync() needs the states registered at construction; missing {missing[:3]}")
+        for name in self.state_names:
+            self._states.view(name)[...] = states[name]
+            self._states.mark(name)
+        averaged = self._states.wait()
+        for name in self.state_names:
+            states[name][...] = averaged[name]
+
+    # -------------------------------------------------------------- accounting
+    @property
+    def values_per_sync(self) -> int:
+        """Return how many numbers one sync all-reduces (pseudo-gradients plus averaged states)."""
+        return sum(sum(b.numels) for fb in (self._pseudo, self._states) if fb is not None for b in fb.buckets)
+
+    @property
+    def bytes_per_sync(self) -> int:
+        """Return the bytes one sync hands to MPI on this rank (the counters' ``bytes``), by formula."""
+        total = 0
+        for fb, codec in ((self._pseudo, self.config.codec), (self._states, self.config.state_codec)):
+            if fb is not None:
+                total += sum(wire_bytes(codec, b.nbytes, b.nbytes // max(1, sum(b.numels)))
+                             for b in fb.buckets)
+        return total
+
+    @property
+    def messages_per_sync(self) -> int:
+        """Return the number of collectives one sync issues."""
+        return sum(len(fb.buckets) for fb in (self._pseudo, self._states) if fb is not None)
+
+    def state_bytes(self) -> int:
+        """Return the bytes of optimizer state the schedule holds: reference weights and outer momentum."""
+        return sum(_nbytes(a) for a in list(self.reference.values()) + list(self.momentum.values()))
+
+    def buffer_bytes(self) -> int:
+        """Return the bytes of the fused send/receive buffers (transient, reused at every sync)."""
+        return sum(_nbytes(b.buffer) for fb in (self._pseudo, self._states) if fb is not None for b in fb.buckets)
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return copies of the reference weights, outer momentum, counters and codec state."""
+        return {
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "reference": {n: _copy(x) for n, x in self.reference.items()},
+            "momentum": {n: _copy(x) for n, x in self.momentum.items()},
+            "codec": self._pseudo.state_dict(),
+            "state_codec": self._states.state_dict() if self._states is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (same parameter names and shapes)."""
+        saved = set(state["reference"])
+        if saved != set(self.reference):
+            extra, missing = sorted(saved - set(self.reference)), sorted(set(self.reference) - saved)
+            raise ValueError(f"checkpoint parameters differ from this schedule's: unexpected {extra[:3]}, "
+                             f"missing {missing[:3]}; build the optimizer over the same model")
+        if bool(state["momentum"]) != bool(self.momentum):
+            raise ValueError("checkpoint and schedule disagree on outer momentum (one has it, the other not); "
+                             "use the same outer_momentum to resume")
+        for group in ("reference", "momentum"):
+            mine = getattr(self, group)
+            for name, value in state[group].items():
+                mine[name][...] = value
+        self.steps = int(state["steps"])
+        self.syncs = int(state["syncs"])
+        self._pseudo.load_state_dict(state["codec"])
+        if self._states is not None and state.get("state_codec") is not None:
+            self._states.load_state_dict(state["state_codec"])

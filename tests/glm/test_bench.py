@@ -1,0 +1,53 @@
+"""commwire.bench.glm on a tiny scale — tier 1 (single process); the example under mpiexec — tier 2."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from commwire.bench import glm as bench
+from _reference import words
+from mpi_helpers import run_mpi
+
+
+def test_rows_count_exchanges_bytes_and_compare_to_fp32_sgd(capsys) -> None:
+    rows = bench.run_glm_bench(datasets=["poisson"], sweep=["susy-like"], s=4, b=8, s_values=(1, 8),
+                               b_values=(8,), steps=64, sweep_steps=40, repeats=1, scale=0.002)
+    head = [r for r in rows if r["table"] == "headline"]
+    assert [(r["solver"], r["precision"]) for r in head] == [
+        ("sgd", "fp32"), ("sgd", "mixed"), ("casgd", "fp32"), ("casgd", "mixed")]
+    for r in rows:
+        assert r["allreduces"] == math.ceil(r["steps"] / r["s"])
+        itemsize = 8 if r["precision"] == "fp64" else 4
+        assert r["bytes_per_outer"] == words(r["s"], r["b"]) * itemsize
+        assert r["wall_s"] > 0 and r["speedup_vs_sgd_fp32"] > 0
+        assert abs(r["loss_gap_vs_sgd_fp32"]) < 5e-3
+    assert head[0]["speedup_vs_sgd_fp32"] == 1.0 and head[0]["loss_gap_vs_sgd_fp32"] == 0.0
+    assert {(r["s"], r["b"]) for r in rows if r["table"] == "sweep"} == {(1, 8), (8, 8)}
+    text = bench.format_table(rows)
+    assert "### headline" in text and "### sweep" in text and "speed-up vs FP32 SGD" in text
+
+
+def test_main_prints_tables(capsys) -> None:
+    assert bench.main(["--datasets", "susy-like", "--sweep", "", "--steps", "32", "--repeats", "1",
+                       "--scale", "0.001", "--s", "4", "--b", "8"]) == 0
+    assert "| susy-like | 1000 x 28 | casgd | mixed | 4 | 8 | 32 |" in capsys.readouterr().out
+
+
+def test_unknown_data_set_raises() -> None:
+    with pytest.raises(ValueError, match=r"data set 'higgs' is unknown"):
+        bench.run_glm_bench(datasets=["higgs"], sweep=[])
+
+
+@pytest.mark.mpi
+def test_example_prints_both_solvers(tmp_path) -> None:
+    data = tmp_path / "demo.svm"
+    proc = run_mpi(2, ["examples/glm_casgd.py", str(data), "--demo", "--demo-shape", "2000,8", "--s", "4",
+                       "--b", "8", "--epochs", "1"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "sgd (fp32, s=1)" in out and "casgd (mixed, s=4)" in out
+    sgd_line = next(line for line in out.splitlines() if line.startswith("sgd (fp32"))
+    assert sgd_line.split()[-2] == "250"  # one allreduce per step: 2000 // 8 steps
+    assert "CA-SGD vs SGD:" in out
