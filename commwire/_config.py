@@ -16,6 +16,7 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | COMMWIRE_LAB_DIR | path | state directory of the emulated cluster (default /run/commwire-lab) |
 | COMMWIRE_TIMEOUT | seconds | stall watchdog: report a collective waiting this long (default 300, 0 = off) |
 | COMMWIRE_ON_STALL | abort/warn | what the watchdog does after its report (default abort) |
+| COMMWIRE_CODEC_THREADS | int | CPU threads per rank for codec kernels (default: cores / ranks on the node) |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ VARIABLES = (
     "COMMWIRE_LAB_DIR",
     "COMMWIRE_TIMEOUT",
     "COMMWIRE_ON_STALL",
+    "COMMWIRE_CODEC_THREADS",
 )
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -136,6 +136,8 @@ class FusionBuffer:
             for b in self.buckets:  # transforms that act per weight matrix need the layout
                 self.codec.bind_layout(b.id, [(n, o, s) for n, o, s in zip(b.names, b.offsets, b.shapes)])
         self._where = {name: (b, slot) for b in self.buckets for slot, name in enumerate(b.names)}
+        # Slot views are made once: callers fill them in place every step (no per-step view objects).
+        self._views = {name: b.view(slot) for name, (b, slot) in self._where.items()}
         self._next = 0
         self.comm_seconds = 0.0
         self.exposed_seconds = 0.0
@@ -187,13 +189,12 @@ class FusionBuffer:
 
     def view(self, name: str) -> Any:
         """Return the slot of ``name``: a view into its bucket that a caller may fill in place."""
-        bucket, slot = self._where[name]
-        return bucket.view(slot)
+        return self._views[name]
 
     def add(self, name: str, value: Any, scale: float = 1.0) -> None:
         """Copy ``value`` into its bucket slot (times ``scale``); launch buckets that are complete."""
         bucket, slot = self._slot(name)
-        target = bucket.view(slot)
+        target = self._views[name]
         if scale == 1.0:
             target[...] = value
         else:
@@ -205,7 +206,7 @@ class FusionBuffer:
         """Declare the slot of ``name`` filled in place (see :meth:`view`); launch complete buckets."""
         bucket, slot = self._slot(name)
         if scale != 1.0:
-            bucket.view(slot)[...] *= scale
+            self._views[name][...] *= scale
         bucket.filled[slot] = True
         self._launch_ready()
 
@@ -255,7 +256,7 @@ class FusionBuffer:
         for b in self.buckets:
             for slot, f in enumerate(b.filled):
                 if not f:
-                    b.view(slot)[...] = 0
+                    self._views[b.names[slot]][...] = 0
                     b.filled[slot] = True
         self._launch_ready()
         return missing
@@ -267,14 +268,11 @@ class FusionBuffer:
         for b in self.buckets:
             self.comm_seconds += b.handle.wait()  # type: ignore[union-attr] # flush launched every bucket
         self.exposed_seconds += time.perf_counter() - start
-        out = {}
         for b in self.buckets:
-            for slot, name in enumerate(b.names):
-                out[name] = b.view(slot)
             b.handle = None
             b.filled = [False] * len(b.names)
         self._next = 0
-        return out
+        return dict(self._views)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the codec state (keyed by the stable bucket ids) for checkpoints."""

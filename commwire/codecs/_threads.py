@@ -5,12 +5,16 @@ so letting each rank use every core oversubscribes the machine. The default is
 therefore the cores this process may run on divided by the number of ranks on
 the node, as announced by the launcher (MPICH/Hydra ``MPI_LOCALNRANKS``, Open MPI
 ``OMPI_COMM_WORLD_LOCAL_SIZE``, Slurm ``SLURM_NTASKS_PER_NODE``), and at least 1.
-:func:`set_threads` overrides it for the whole process.
+COMMWIRE_CODEC_THREADS overrides the default (the emulated cluster sets it:
+there every "host" is a network namespace on the same cores, so the launcher's
+per-node count is 1); :func:`set_threads` overrides both for the whole process.
 """
 
 from __future__ import annotations
 
 import os
+
+from .. import _config
 
 __all__ = ["get_threads", "set_threads"]
 
@@ -37,7 +41,12 @@ def _usable_cpus() -> int:
 
 
 def default_threads() -> int:
-    """Return the default thread count: usable cores divided by ranks on this node."""
+    """Return the default thread count: COMMWIRE_CODEC_THREADS, else usable cores / ranks on this node."""
+    configured = _config.env_float("COMMWIRE_CODEC_THREADS", 0.0)
+    if configured:
+        if configured < 1 or configured != int(configured):
+            raise ValueError(f"COMMWIRE_CODEC_THREADS={configured:g} must be a positive integer")
+        return int(configured)
     return max(1, _usable_cpus() // _local_ranks())
 
 

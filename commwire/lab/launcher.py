@@ -86,6 +86,9 @@ def launch_args(np: int, env: Mapping[str, str]) -> tuple[list[str], dict[str, s
     if path.split(os.pathsep)[0] != bindir:
         out["PATH"] = os.pathsep.join([bindir, path])
     out.update(LAB_ENV)
+    # All lab "hosts" share this machine's cores: size codec thread pools for the
+    # whole job, not for the one rank Hydra sees per host.
+    out.setdefault("COMMWIRE_CODEC_THREADS", str(max(1, len(os.sched_getaffinity(0)) // np)))
     hostlist = ",".join(f"{name}:{count}" for name, count in zip(spec.names, counts))
     argv = [
         ip, "netns", "exec", spec.names[0], _mpiexec(out),

@@ -31,12 +31,16 @@ from .functions import (
     broadcast_parameters,
     synchronize,
 )
+from .local_sgd import DiLoCo, LoRDO, LowRankAdam, state_nbytes
 from .optimizer import DistributedOptimizer
 
 __all__ = [
     "Average",
     "Compression",
+    "DiLoCo",
     "DistributedOptimizer",
+    "LoRDO",
+    "LowRankAdam",
     "Max",
     "Min",
     "Sum",
@@ -57,9 +61,6 @@ __all__ = [
     "local_size",
     "rank",
     "size",
+    "state_nbytes",
     "synchronize",
 ]
-
-from .local_sgd import DiLoCo, LoRDO, LowRankAdam, state_nbytes
-
-__all__ += ["DiLoCo", "LoRDO", "LowRankAdam", "state_nbytes"]

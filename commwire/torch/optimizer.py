@@ -254,9 +254,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Gradients are views of the fusion buckets: zero the buckets in place (one
         # memset each) instead of dropping the views, whatever set_to_none says.
         self._fusion.zero_()
-        slots = {name: self._fusion.view(name).data_ptr() for name, _ in self._named}
         for name, p in self._named:
-            if p.grad is not None and p.grad.data_ptr() != slots[name]:
+            if p.grad is not None and p.grad.data_ptr() != self._fusion.view(name).data_ptr():
                 p.grad = None if set_to_none else p.grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
