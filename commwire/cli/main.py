@@ -27,6 +27,8 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "codecs": "codecs",
     "glm": "glm",
     "torch": "torch_ddp",
+    "faults": "faults",
+    "gift": "gift",
 }
 
 
@@ -63,8 +65,12 @@ def _spawn(argv: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if proc.poll() is None:
+        # Whatever of the job is still in the launcher's process group (ranks or
+        # proxies cut off from a failed launcher) goes with it: no orphans.
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 @cli.command(context_settings=_PASSTHROUGH)
@@ -157,6 +163,8 @@ def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     codecs     codec encode/decode throughput vs memcpy, round-trip error
     glm        GLM SGD vs CA-SGD (s-step Gram exchange)
     torch      DistributedOptimizer vs torch DDP over gloo, codecs, fusion, overlap
+    faults     kill -9 / raise / stall / link-cut jobs: each ends in time, failing rank named
+    gift       GIFT vs direct/block FP8, error feedback, Hadamard on real LM gradients; training runs
     """
     module = f"commwire.bench.{BENCHMARKS[name]}"
     if importlib.util.find_spec(module) is None:

@@ -300,7 +300,8 @@ class Gift(Codec):
         """Declare the weight ``name`` (input width ``d_in``) as a candidate for the transform."""
         if not isinstance(d_in, (int, np.integer)) or d_in < 1:
             raise ValueError(f"d_in={d_in!r} of layer {name!r} must be a positive int")
-        if self.config.rank > d_in:
+        candidate = self.config.layers is None or name in self.config.layers
+        if candidate and self.config.rank > d_in:
             raise ValueError(f"GIFT rank={self.config.rank} is larger than the input width {d_in} of layer "
                              f"{name!r}; use rank <= {d_in} (rank=0 for the full factor)")
         with self._lock:
@@ -377,7 +378,7 @@ class Gift(Codec):
                 self._factors = {key[2]: GiftFactor(u=np.asarray(s["u"]), lam=np.asarray(s["lam"]),
                                                     sigma=float(s["sigma"]))
                                  for key in self.state.keys() if isinstance(key, tuple) and key[:2] == ("gift", "factor")
-                                 for s in (self.state.slot(key),)}
+                                 for s in (self.state.slot(key),) if "u" in s}
             return self._factors
 
     def digest(self) -> int:
@@ -410,7 +411,8 @@ class Gift(Codec):
         start = time.perf_counter()
         size = comm.size if comm is not None else 1
         with self._lock:
-            names = sorted(k[2] for k in self.state.keys() if isinstance(k, tuple) and k[:2] == ("gift", "stats"))
+            names = sorted(k[2] for k in self.state.keys()
+                           if isinstance(k, tuple) and k[:2] == ("gift", "stats") and "gram" in self.state.slot(k))
             if size > 1:
                 listed = comm.allgather_object(names)
                 if any(other != names for other in listed):
@@ -424,7 +426,7 @@ class Gift(Codec):
                 packed = np.append(np.asarray(slot["gram"], np.float64).ravel(), float(slot["count"]))
                 if size > 1:
                     packed = np.asarray(comm.allreduce(packed, "sum"))
-                del self.state._slots[("gift", "stats", name)]
+                slot.clear()
                 if selection is not None and name in selection:
                     d = int(round(np.sqrt(packed.size - 1)))
                     grams[name] = packed[:-1].reshape(d, d) / max(packed[-1], 1.0)
@@ -444,7 +446,7 @@ class Gift(Codec):
             new.update({n: f for n, f in computed.items() if f is not None})
             self._remap_residuals(old, new)
             for name in old:
-                self.state._slots.pop(("gift", "factor", name), None)
+                self.state.slot(("gift", "factor", name)).clear()
             for name, f in new.items():
                 self.state.slot(("gift", "factor", name)).update(f.arrays())
             meta = self.state.slot(_META)
@@ -534,7 +536,7 @@ class Gift(Codec):
                                "codec.verify(comm) on every rank (DistributedOptimizer.load_state_dict does this)")
 
     def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
-        """Return a copy of the flat tensor ``x`` with each selected weight W replaced by W S⁻ᵀ."""
+        """Return the flat tensor ``x`` with each selected weight W replaced by W S⁻ᵀ (a copy; ``x`` if none applies)."""
         start = time.perf_counter()
         with self._lock:
             factors = self.factors()

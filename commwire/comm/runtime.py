@@ -272,9 +272,22 @@ def _report_and_abort(text: str, status: str = "raised") -> None:
     sys.stdout.flush()
     sys.stderr.write(f"commwire: rank {who} of {total} raised an unhandled exception; aborting the job\n{text}")
     sys.stderr.flush()
+    abort_world(1)
+
+
+def abort_world(code: int, grace: float = 5.0) -> None:
+    """Call MPI_Abort, and exit anyway if it has not ended this process after ``grace`` seconds.
+
+    MPI_Abort asks the launcher to kill the job; when the launcher is out of
+    reach (a host cut off the network) the call can block forever, which would
+    leave this rank behind as an orphan.
+    """
+    from mpi4py import MPI
+
+    threading.Timer(grace, os._exit, (code,)).start()
     if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Abort(1)
-    os._exit(1)
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 def _rank_from_env() -> tuple[str, str]:

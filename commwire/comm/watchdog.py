@@ -37,7 +37,7 @@ class Watchdog:
     """Watch this rank's collectives and diagnose the ones that stall."""
 
     def __init__(self, mpi_world: Any, *, timeout: float, action: str = "abort", poll: float = 0.05,
-                 reply_timeout: float = 5.0) -> None:
+                 reply_timeout: float | None = None) -> None:
         from mpi4py import MPI
 
         if action not in ("abort", "warn"):
@@ -47,6 +47,9 @@ class Watchdog:
         self._MPI = MPI
         self.comm = mpi_world.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        # How long to wait for the other ranks' answers: a rank cut off the network
+        # never answers, and the report should not take much longer than the stall.
+        reply_timeout = min(5.0, max(1.0, timeout / 2)) if reply_timeout is None else reply_timeout
         self.timeout, self.action, self.poll, self.reply_timeout = timeout, action, poll, reply_timeout
         self._active: dict[int, tuple[str, int, str, str | None, float]] = {}
         self._tokens = itertools.count()
@@ -122,8 +125,10 @@ class Watchdog:
         if self.action == "abort":
             from .ranklog import record
 
+            from .runtime import abort_world
+
             record("stalled", text.splitlines()[-2].strip())
-            self._MPI.COMM_WORLD.Abort(3)
+            abort_world(3)
 
     def _report(self, comm_id: str, seq: int, op: str, name: str | None, waited: float,
                 replies: dict[int, dict[str, Any]]) -> str:
