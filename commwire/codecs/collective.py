@@ -100,6 +100,34 @@ def _segments(n: int, size: int, segment_bytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
+class _Plan:
+    """Segments and scratch buffers of one (communicator, size, codec) combination, kept for reuse.
+
+    Training reduces the same buckets every step; reusing the buffers avoids
+    allocating (and page-faulting) a tensor's worth of memory per call.
+    """
+
+    def __init__(self, comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> None:
+        size, rank = comm.size, comm.rank
+        self.segs = [_Segment(codec, a, b, size, rank) for a, b in _segments(n, size, segment_bytes)]
+        self.work = np.empty(int(max(s.counts[rank] for s in self.segs)), dtype=_F32)
+        self.acc = np.empty_like(self.work)
+
+
+_plans: dict[tuple[Any, ...], _Plan] = {}
+_MAX_PLANS = 64
+
+
+def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> _Plan:
+    key = (id(comm), comm.uid, codec.spec, n, segment_bytes)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.pop(next(iter(_plans)))  # drop the oldest
+        plan = _plans[key] = _Plan(comm, codec, n, segment_bytes)
+    return plan
+
+
 class _Run:
     """One compressed all-reduce over a flat FP32 vector."""
 
@@ -109,6 +137,14 @@ class _Run:
         self.wire_sent = 0
         self.encoded_elems = 0
         self.encoded_wire = 0
+        self.inflight: list[Any] = []
+
+    def _progress(self) -> None:
+        # MPICH moves a non-blocking collective only inside MPI calls (no progress
+        # thread), so poke the transfers in flight between codec kernels: this is
+        # what lets encoding and decoding overlap the wire.
+        for req in self.inflight:
+            req.Test()
 
     def _encode(self, x: np.ndarray, out: np.ndarray, key: Hashable) -> None:
         t = _perf()
@@ -116,28 +152,38 @@ class _Run:
         self.times["encode"] += _perf() - t
         self.encoded_elems += x.size
         self.encoded_wire += out.size
+        self._progress()
+
+    def _decode(self, buf: np.ndarray, n: int, out: np.ndarray) -> None:
+        t = _perf()
+        self.codec.decode_from(buf, n, out=out)
+        self.times["decode"] += _perf() - t
+        self._progress()
+
+    def _start(self, req: Any) -> Any:
+        self.inflight.append(req)
+        return req
 
     def _wait(self, req: Any) -> None:
         t = _perf()
         with self.comm.watched("compressed_allreduce", self.key if isinstance(self.key, str) else None):
             wait_requests([req])
+        self.inflight = [r for r in self.inflight if r is not req]  # identity: finished requests compare equal
         self.times["transfer"] += _perf() - t
 
     def pipelined(self, flat: np.ndarray, result: np.ndarray, segment_bytes: int) -> None:
         comm, size, rank = self.comm, self.comm.size, self.comm.rank
-        segs = [_Segment(self.codec, a, b, size, rank) for a, b in _segments(flat.size, size, segment_bytes)]
-        work = np.empty(int(max(s.counts[rank] for s in segs)), dtype=_F32)
-        acc = np.empty_like(work)
+        plan = _plan(comm, self.codec, flat.size, segment_bytes)
+        segs, work, acc = plan.segs, plan.work, plan.acc
 
         def start_exchange(i: int) -> None:
             seg = segs[i]
             for r in range(size):
-                sl = seg.chunk(r)
                 o = int(seg.offsets[r])
-                self._encode(flat[sl], seg.send[o:o + int(seg.wire[r])], (self.key, "w", i, r))
+                self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])], (self.key, "w", i, r))
             w = int(seg.wire[rank])
             recv_spec = [seg.recv, ([w] * size, [w * r for r in range(size)])]
-            seg.req = comm.mpi.Ialltoallv([seg.send, (seg.wire, seg.offsets)], recv_spec)
+            seg.req = self._start(comm.mpi.Ialltoallv([seg.send, (seg.wire, seg.offsets)], recv_spec))
             # Counted like a plain all-reduce's message: this rank's encoded tensor
             # (the re-encoded chunk of the gather phase adds 1/P of it on the wire).
             self.wire_sent += int(seg.wire.sum())
@@ -146,28 +192,25 @@ class _Run:
             seg = segs[i]
             self._wait(seg.req)
             m, w = int(seg.counts[rank]), int(seg.wire[rank])
-            t = _perf()
             total, part = acc[:m], work[:m]
             total.fill(0.0)
             for r in range(size):
-                self.codec.decode_from(seg.recv[r * w:(r + 1) * w], m, out=part)
+                self._decode(seg.recv[r * w:(r + 1) * w], m, part)
                 np.add(total, part, out=total)
             if self.average:
                 np.multiply(total, np.float32(1.0 / size), out=total)
-            self.times["decode"] += _perf() - t
             self._encode(total, seg.mine, (self.key, "s", i))
-            seg.req = comm.mpi.Iallgatherv(seg.mine, [seg.gathered, (seg.wire, seg.offsets)])
+            seg.req = self._start(comm.mpi.Iallgatherv(seg.mine, [seg.gathered, (seg.wire, seg.offsets)]))
 
         def finish(i: int) -> None:
             seg = segs[i]
             self._wait(seg.req)
-            t = _perf()
             for r in range(size):
                 o = int(seg.offsets[r])
-                self.codec.decode_from(seg.gathered[o:o + int(seg.wire[r])], int(seg.counts[r]),
-                                       out=result[seg.chunk(r)])
-            self.times["decode"] += _perf() - t
+                self._decode(seg.gathered[o:o + int(seg.wire[r])], int(seg.counts[r]), result[seg.chunk(r)])
 
+        # Order matters when `result` is the input's own memory (in place): segment
+        # i-1 is written back only after segments up to i+1 have been encoded.
         start_exchange(0)
         for i in range(len(segs)):
             if i + 1 < len(segs):
@@ -240,17 +283,27 @@ def compressed_allreduce(
     key = name if name is not None else ("shape", host.shape)
     flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
     flat = codec.tensor_forward(flat, key)
-    result = np.empty(flat.size, dtype=_F32)
+    small = flat.size * 4 < small_bytes or comm.size == 1
+    # Decode straight into the caller's float32 `out` when it can take the result;
+    # the pipeline only overwrites segments it has already encoded, so out=x works.
+    direct = None if out is None or small else adapter_for(out).out_view(out)
+    if direct is not None and (direct.dtype != _F32 or direct.size != flat.size
+                               or (out is not x and np.may_share_memory(direct, flat))):
+        direct = None
+    result = direct.reshape(-1) if direct is not None else np.empty(flat.size, dtype=_F32)
     run = _Run(comm, codec, key, op != "sum")
-    if flat.size * 4 < small_bytes or comm.size == 1:
+    if small:
         run.gathered(flat, result)
     else:
         run.pipelined(flat, result, segment_bytes)
     codec.tensor_inverse(result, key)
     adapter.release(host)
-    shaped = result.reshape(host.shape)
-    final = shaped if host.dtype == _F32 else shaped.astype(host.dtype)
-    value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
+    if direct is not None:
+        value = out
+    else:
+        shaped = result.reshape(host.shape)
+        final = shaped if host.dtype == _F32 else shaped.astype(host.dtype)
+        value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
     end = _perf()
     counters = comm.counters
     counters.record("compressed_allreduce", run.wire_sent, end - start, input_bytes=host.nbytes)

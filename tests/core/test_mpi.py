@@ -156,7 +156,7 @@ def test_watchdog_warn_mode_lets_a_slow_rank_finish(tmp_path):
     )
     proc = _commwire("run", "-np", "2", sys.executable, str(script), timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("sum 2.0") == 2
+    assert proc.stdout.count("sum") == 2 and proc.stdout.count("2.0") == 2, proc.stdout  # lines may interleave
     assert "missing from this collective: ranks [0]" in proc.stderr and "continuing to wait" in proc.stderr
 
 
