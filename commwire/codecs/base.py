@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _arrays
 
-__all__ = ["Codec", "Payload", "CodecState", "stream_id", "next_stream"]
+__all__ = ["Codec", "Wrapper", "Payload", "CodecState", "stream_id", "next_stream"]
 
 _STATE_VERSION = 1
 
@@ -262,6 +262,33 @@ class Codec(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+class Wrapper(Codec):
+    """A codec stage around an inner codec (``self.codec``): sizes and whole-tensor hooks pass through."""
+
+    codec: Codec
+
+    @property
+    def stages(self) -> tuple[Codec, ...]:
+        """Return this stage and the stages of the wrapped codec."""
+        return (self, *self.codec.stages)
+
+    def wire_nbytes(self, n: int) -> int:
+        """Return the wrapped codec's size: a wrapping stage adds no bytes."""
+        return self.codec.wire_nbytes(n)
+
+    def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
+        """Delegate whole-tensor mapping to the wrapped codec."""
+        return self.codec.tensor_forward(x, key)
+
+    def tensor_inverse(self, y: Any, key: Hashable = None) -> None:
+        """Delegate the inverse whole-tensor mapping to the wrapped codec."""
+        self.codec.tensor_inverse(y, key)
+
+    def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        """Pass a fused buffer's layout on to the wrapped codec."""
+        self.codec.bind_layout(key, layout)
 
 
 def _is_contiguous(x: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import _arrays
-from .base import Codec
+from .base import Codec, Wrapper
 
 __all__ = ["ErrorFeedback"]
 
@@ -37,7 +37,7 @@ def _zero_nonfinite(r: Any) -> Any:
     return r.nan_to_num_(0.0, 0.0, 0.0)
 
 
-class ErrorFeedback(Codec):
+class ErrorFeedback(Wrapper):
     """Wrap a codec so that each key's quantisation error is added to its next input."""
 
     def __init__(self, codec: Codec) -> None:
@@ -52,26 +52,10 @@ class ErrorFeedback(Codec):
         """Return ``"ef+<inner spec>"``."""
         return f"ef+{self.codec.spec}"
 
-    @property
-    def stages(self) -> tuple[Codec, ...]:
-        """Return this wrapper and the stages of the wrapped codec."""
-        return (self, *self.codec.stages)
 
-    def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
-        """Delegate whole-tensor mapping to the wrapped codec."""
-        return self.codec.tensor_forward(x, key)
 
-    def tensor_inverse(self, y: Any, key: Hashable = None) -> None:
-        """Delegate the inverse whole-tensor mapping to the wrapped codec."""
-        self.codec.tensor_inverse(y, key)
 
-    def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
-        """Pass a fused buffer's layout on to the wrapped codec."""
-        self.codec.bind_layout(key, layout)
 
-    def wire_nbytes(self, n: int) -> int:
-        """Return the wrapped codec's size: error feedback adds no bytes."""
-        return self.codec.wire_nbytes(n)
 
     def residual(self, key: Hashable = None) -> Any:
         """Return the current residual of ``key`` (None before its first encode)."""

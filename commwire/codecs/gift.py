@@ -70,7 +70,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _arrays
-from .base import Codec, CodecState
+from .base import Codec, CodecState, Wrapper
 from .formats import FloatFormat
 
 __all__ = ["Gift", "GiftConfig", "GiftFactor", "factor_from_gram", "Collective"]
@@ -236,7 +236,7 @@ class _Live:
     members: list[tuple[str, int, int]]  # profiled weights: (name, offset, numel)
 
 
-class Gift(Codec):
+class Gift(Wrapper):
     """Whiten weight gradients by their layer's input statistics, then encode with ``codec``."""
 
     def __init__(self, codec: Codec, config: GiftConfig | None = None, **settings: Any) -> None:
@@ -278,15 +278,6 @@ class Gift(Codec):
         opts = [f"{k}={int(getattr(c, k))}" for k in ("rank", "refresh", "ef", "profile", "top")
                 if getattr(c, k) != getattr(default, k)]
         return "gift" + (":" + ",".join(opts) if opts else "") + "+" + self.codec.spec
-
-    @property
-    def stages(self) -> tuple[Codec, ...]:
-        """Return this stage and the stages of the wrapped codec."""
-        return (self, *self.codec.stages)
-
-    def wire_nbytes(self, n: int) -> int:
-        """Return the wrapped codec's size: the transform preserves the length."""
-        return self.codec.wire_nbytes(n)
 
     def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
         """Record which named tensors (name, offset, shape) the fused buffer ``key`` holds."""

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from . import _arrays
-from .base import Codec, CodecState
+from .base import Codec, CodecState, Wrapper
 
 __all__ = ["Transform", "Pipeline", "pipeline"]
 
@@ -42,7 +42,7 @@ class Transform(abc.ABC):
         """Write the inverse transform of ``y`` into ``out`` and return ``out``."""
 
 
-class Pipeline(Codec):
+class Pipeline(Wrapper):
     """Apply a transform, then encode with a codec (and the reverse to decode)."""
 
     def __init__(self, transform: Transform, codec: Codec) -> None:
@@ -62,26 +62,10 @@ class Pipeline(Codec):
         """Return ``"<transform>+<codec>"``."""
         return f"{self.transform.spec}+{self.codec.spec}"
 
-    @property
-    def stages(self) -> tuple[Codec, ...]:
-        """Return this pipeline and the stages of its codec."""
-        return (self, *self.codec.stages)
 
-    def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
-        """Delegate whole-tensor mapping to the wrapped codec."""
-        return self.codec.tensor_forward(x, key)
 
-    def tensor_inverse(self, y: Any, key: Hashable = None) -> None:
-        """Delegate the inverse whole-tensor mapping to the wrapped codec."""
-        self.codec.tensor_inverse(y, key)
 
-    def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
-        """Pass a fused buffer's layout on to the wrapped codec."""
-        self.codec.bind_layout(key, layout)
 
-    def wire_nbytes(self, n: int) -> int:
-        """Return the inner codec's size: transforms preserve the length."""
-        return self.codec.wire_nbytes(n)
 
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
         self.codec._encode(self.transform.forward(x, key), out, key)
