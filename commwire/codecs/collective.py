@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from ..comm.arrays import adapter_for
-from ..comm.check import verify
 from ..comm.communicator import Communicator, split_rows
 from ..comm.handle import Handle
 from ..comm.handle import wait_requests
@@ -278,7 +277,7 @@ def compressed_allreduce(
     if host.dtype.kind != "f" and host.dtype.name != "bfloat16":
         raise TypeError(f"codec {codec.spec!r} needs a float array, got {host.dtype}; pass codec=None for integers")
     if comm.check:
-        verify(comm.mpi, ("compressed_allreduce", name, host.shape, str(host.dtype), op, None, codec.spec))
+        comm._verify("compressed_allreduce", name, host.shape, str(host.dtype), op, None, codec.spec)
     start = _perf()
     key = name if name is not None else ("shape", host.shape)
     flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)

@@ -38,7 +38,9 @@ class Communicator:
     Args:
         mpi_comm: the mpi4py communicator to use (e.g. ``MPI.COMM_WORLD``).
         counters: where to record operation counts, bytes and times.
-        check: verify argument agreement across ranks before each collective.
+        check: verify that ranks agree on a collective's arguments: True before
+            every call, "first" (default) on the first call of each (operation,
+            name), False never.
         timeline: optional Chrome-trace recorder.
         cuda_aware: hand CUDA buffers straight to MPI instead of staging them.
 
@@ -52,7 +54,7 @@ class Communicator:
         mpi_comm: Any,
         *,
         counters: Counters | None = None,
-        check: bool = False,
+        check: bool | str = "first",
         timeline: Timeline | None = None,
         cuda_aware: bool = False,
         watchdog: Any = None,
@@ -65,7 +67,10 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.counters = counters if counters is not None else Counters()
-        self.check = check
+        if check not in (False, True, "first"):
+            raise ValueError(f"check={check!r} is not valid; use False, 'first' or True")
+        self.check: bool | str = check
+        self._seen: set[tuple[Any, ...]] = set()
         self.timeline = timeline
         self.cuda_aware = cuda_aware
         self._mpi_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
@@ -139,7 +144,11 @@ class Communicator:
         return _Watched(self, opname, name)
 
     def _verify(self, *signature: Any) -> None:
-        if self.check:
+        # check=True: every call; check="first" (the default): the first call of each
+        # (operation, name), which every rank of a correct program reaches together.
+        if self.check is True or (self.check == "first" and signature[:2] not in self._seen):
+            if self.check == "first":
+                self._seen.add(signature[:2])
             with self.watched("check " + str(signature[0]), signature[1]):
                 verify(self.mpi, signature)
 
@@ -162,7 +171,8 @@ class Communicator:
         # Fast path for the latency-bound common case (contiguous numpy array of
         # an MPI-native dtype, no checking or timeline): the general path below
         # costs a few microseconds of Python, as much as a small MPI_Allreduce.
-        if type(x) is np.ndarray and not self.check and self.timeline is None and x.flags.c_contiguous:
+        if (type(x) is np.ndarray and self.timeline is None and x.flags.c_contiguous
+                and (not self.check or (self.check == "first" and ("allreduce", name) in self._seen))):
             entry = self._fast_ops.get((op, x.dtype))
             if entry is not None:
                 if out is None:
@@ -203,7 +213,7 @@ class Communicator:
         dtype = send.dtype
         check_dtype(dtype)
         mop, average = self._reduce_op(op, dtype)
-        if self.check:
+        if self.check:  # cheap test first: _verify decides between first-call and full checks
             self._verify("allreduce", name, send.shape, str(dtype), op)
         half = dtype in HALF_DTYPES
         work = send.astype(_FLOAT32) if half else send
@@ -244,7 +254,7 @@ class Communicator:
         dtype = dev.numpy_dtype(x)
         check_dtype(dtype)
         mop, average = self._reduce_op(op, dtype)
-        if self.check:
+        if self.check:  # cheap test first: _verify decides between first-call and full checks
             self._verify("allreduce", name, tuple(x.shape), str(dtype), op)
         half = dtype in HALF_DTYPES
         send = dev.contiguous(dev.to_float32(x) if half else x)
@@ -280,7 +290,7 @@ class Communicator:
         check_dtype(send.dtype)
         if send.ndim == 0:
             send = send.reshape(1)
-        if self.check:
+        if self.check:  # cheap test first: _verify decides between first-call and full checks
             self._verify("allgather", name, send.shape[1:], str(send.dtype))
         with self.watched("allgather sizes", name):
             rows = _exchange_rows(self, send)
@@ -312,7 +322,7 @@ class Communicator:
         adapter = adapter_for(x)
         send = adapter.host(x)
         check_dtype(send.dtype)
-        if self.check:
+        if self.check:  # cheap test first: _verify decides between first-call and full checks
             self._verify("broadcast", name, send.shape, str(send.dtype), None, root)
         if out is x and adapter.kind == "numpy":
             buf = send
@@ -352,7 +362,7 @@ class Communicator:
         mop, average = self._reduce_op(op, dtype)
         if send.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension, got a scalar")
-        if self.check:
+        if self.check:  # cheap test first: _verify decides between first-call and full checks
             self._verify("reduce_scatter", name, send.shape, str(dtype), op)
         half = dtype in HALF_DTYPES
         work = send.astype(_FLOAT32) if half else send
@@ -389,7 +399,7 @@ class Communicator:
                 f"alltoall needs a first dimension divisible by the {self.size} ranks, got shape {send.shape}; "
                 "pad the array"
             )
-        if self.check:
+        if self.check:  # cheap test first: _verify decides between first-call and full checks
             self._verify("alltoall", name, send.shape, str(send.dtype))
         recv = np.empty_like(send)
 

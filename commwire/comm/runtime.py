@@ -49,7 +49,7 @@ _lock = threading.Lock()
 def init(
     *,
     comm: Any = None,
-    check: bool | None = None,
+    check: bool | str | None = None,
     timeline: str | None = None,
     thread_level: str | None = None,
     cuda_aware: bool | None = None,
@@ -61,8 +61,10 @@ def init(
 
     Args:
         comm: an mpi4py communicator to use as the world (default COMM_WORLD).
-        check: verify that ranks agree on each collective's arguments
-            (fallback: COMMWIRE_CHECK).
+        check: verify that ranks agree on a collective's arguments: True
+            before every call, "first" on the first call of each (operation,
+            name), False never (fallback: COMMWIRE_CHECK=1/first/0; default
+            "first").
         timeline: write a Chrome-trace timeline to this path at finalize
             (fallback: COMMWIRE_TIMELINE).
         thread_level: MPI thread level to request (fallback:
@@ -93,7 +95,9 @@ def init(
         MPI = _import_mpi(level)
         _thread_level = THREAD_LEVELS[MPI.Query_thread()]
         mpi_comm = comm if comm is not None else MPI.COMM_WORLD
-        check = _config.env_bool("COMMWIRE_CHECK") if check is None else check
+        if check is None:
+            level = _config.env_choice("COMMWIRE_CHECK", ("0", "off", "false", "first", "1", "full", "true"), "first")
+            check = {"0": False, "off": False, "false": False, "first": "first"}.get(level, True)
         path = timeline if timeline is not None else _config.env_str("COMMWIRE_TIMELINE")
         recorder = Timeline(path, mpi_comm.Get_rank()) if path else None
         if cuda_aware is None:

@@ -134,7 +134,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
                 n = t.numel()
                 t.copy_(flat[offset:offset + n].view_as(t))
                 offset += n
-    if comm.check:
+    if comm.check is True:  # full checks: hash every parameter after the broadcast
         check_same_parameters(named)
 
 

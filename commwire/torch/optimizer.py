@@ -52,6 +52,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         find_unused_parameters: exchange which parameters got a gradient, so a
             parameter unused on every rank keeps ``grad=None`` (one extra small
             all-reduce per step). Off: a missing gradient counts as zeros.
+        on_nonfinite: what to do when an averaged gradient holds NaN/Inf:
+            "propagate" (default: pass it to the optimizer, so AMP loss scaling sees
+            it), "skip" (skip the step on every rank alike) or "raise"
+            (FloatingPointError naming the parameters).
         overlap: run collectives on a background thread during backward.
         comm: communicator (default: the world).
         model: the trained module; needed by GIFT compressions (``Compression.gift_fp8``),
@@ -75,6 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold_mb: float = DEFAULT_THRESHOLD_BYTES / _MB,
         first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / _MB,
         find_unused_parameters: bool = False,
+        on_nonfinite: str = "propagate",
         overlap: bool = True,
         comm: Communicator | None = None,
         model: torch.nn.Module | None = None,
@@ -101,6 +106,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.find_unused_parameters = find_unused_parameters
+        if on_nonfinite not in ("propagate", "skip", "raise"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; use 'propagate', 'skip' or 'raise'")
+        self.on_nonfinite = on_nonfinite
+        self.nonfinite: list[str] = []
+        self.skipped_steps = 0
         self._predivide = float(gradient_predivide_factor)
         codec = None
         if compression not in (None, "none"):
@@ -191,10 +201,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not any(self._passes.values()) and not self._fusion.in_flight():
             raise RuntimeError("synchronize()/step() was called but no gradient was computed since the last step; "
                                "call loss.backward() first")
-        unused = self._fusion.missing()
         present = self._global_presence() if self.find_unused_parameters else None
         start = time.perf_counter()
         reduced = self._fusion.wait()
+        self.nonfinite = self._find_nonfinite() if self.on_nonfinite != "propagate" else []
         for name, p in self._named:
             if present is not None and not present[name]:
                 p.grad = None  # unused on every rank: no gradient, as without distribution
@@ -206,7 +216,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in self._passes:
             self._passes[p] = 0
         self._synchronized = True
-        del unused
+        if self.nonfinite and self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite averaged gradients in {len(self.nonfinite)} parameter(s): {self.nonfinite[:5]}; "
+                "lower the learning rate or the loss scale, or pass on_nonfinite='skip' to skip such steps"
+            )
+
+    def _find_nonfinite(self) -> list[str]:
+        # The reduced buckets are the same on every rank (a NaN or Inf anywhere
+        # reaches every rank's sum), so every rank takes the same decision with
+        # no extra message; one isfinite pass per bucket, per-tensor only if needed.
+        names = []
+        for bucket in self._fusion.buckets:
+            if not bool(torch.isfinite(bucket.buffer).all()):
+                names += [n for n in bucket.names if not bool(torch.isfinite(self._fusion.view(n)).all())]
+        return names
 
     def _global_presence(self) -> dict[str, bool]:
         local = torch.tensor([self._passes[p] > 0 for _, p in self._named], dtype=torch.uint8)
@@ -231,7 +255,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif not self._synchronized or any(self._passes.values()):
             self.synchronize()
         self._synchronized = False
-        result = self._inner.step(closure) if closure is not None else self._inner.step()
+        if self.nonfinite and self.on_nonfinite == "skip":
+            self.skipped_steps += 1  # every rank skips: the reduced gradients are identical
+            result = None
+        else:
+            result = self._inner.step(closure) if closure is not None else self._inner.step()
         if self._gift is not None:  # GIFT: count the step; every K steps refresh the factors (collective)
             self._gift.after_step()
         return result

@@ -289,3 +289,13 @@ def test_stats_count_calls_bytes_and_reset():
     assert snap["allreduce"]["bytes"] == 40 + 48 + 16
     assert snap["allreduce"]["time_s"] > 0
     assert cw.stats()["codecs"] == {} and "allreduce" not in cw.stats()
+
+
+def test_default_first_call_check_catches_a_mismatch_without_any_flag():
+    assert WORLD.check == "first"
+    if WORLD.size == 1:
+        return
+    with pytest.raises(cw.CollectiveMismatchError, match="shape differs"):
+        WORLD.allreduce(np.ones(3 + (WORLD.rank == 1)), name="first-call-check")
+    np.testing.assert_array_equal(WORLD.allreduce(np.ones(2), name="first-call-ok"), np.full(2, float(WORLD.size)))
+    np.testing.assert_array_equal(WORLD.allreduce(np.ones(2), name="first-call-ok"), np.full(2, float(WORLD.size)))

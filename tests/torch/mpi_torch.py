@@ -284,3 +284,28 @@ def test_lr_scheduler_accepts_wrapper():
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("policy", ["propagate", "skip", "raise"])
+def test_nonfinite_gradient_policies_agree_on_every_rank(policy):
+    model = make_model(6, layers=1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), on_nonfinite=policy)
+    before = flat_params(model)
+    x, y = batch(0, RANK)
+    if RANK == SIZE - 1:
+        x = x.clone()
+        x[0, 0] = float("inf")  # only the last rank overflows
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="non-finite averaged gradients"):
+            opt.step()
+        return
+    opt.step()
+    after = flat_params(model)
+    if policy == "skip":
+        np.testing.assert_array_equal(after, before)  # skipped on every rank, not only the last
+        assert opt.skipped_steps == 1 and opt.nonfinite
+    else:
+        assert not np.isfinite(after).all()  # NaN reached the weights: AMP-style scalers can see it
