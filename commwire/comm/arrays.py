@@ -56,7 +56,10 @@ class Adapter:
 
     def host(self, x: Any) -> np.ndarray:
         """Return a contiguous numpy view of ``x`` (a copy only if it must be)."""
-        return np.ascontiguousarray(x)
+        if isinstance(x, np.ndarray) and x.flags.c_contiguous:
+            return x
+        # ascontiguousarray turns 0-d input into shape (1,): keep the caller's shape
+        return np.ascontiguousarray(x).reshape(np.shape(x))
 
     def release(self, host: np.ndarray) -> None:
         """Return a staging buffer handed out by ``host`` to the pool."""
@@ -145,7 +148,7 @@ class _CupyAdapter(Adapter):
         self.cupy = cupy
 
     def host(self, x: Any) -> np.ndarray:
-        return np.ascontiguousarray(self.cupy.asnumpy(x))
+        return np.ascontiguousarray(self.cupy.asnumpy(x)).reshape(tuple(x.shape))
 
     def wrap(self, host: np.ndarray, like: Any) -> Any:
         with self.cupy.cuda.Device(like.device.id):

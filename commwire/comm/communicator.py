@@ -78,7 +78,7 @@ class Communicator:
         self._node: Communicator | None = None
         # (op, dtype) -> (MPI op, average?) for the fast allreduce path
         self._fast_ops = {
-            (op, np.dtype(dt)): (self._mpi_ops[_ALIASES.get(op, op)], _ALIASES.get(op, op) == "avg")
+            (op, np.dtype(dt)): self._reduce_op(op, np.dtype(dt))
             for op in (*REDUCE_OPS, *_ALIASES)
             for dt in (np.float32, np.float64, np.int32, np.int64, np.uint8)
             if not (_ALIASES.get(op, op) == "avg" and np.dtype(dt).kind in "iu")
@@ -102,6 +102,8 @@ class Communicator:
             raise TypeError(
                 f"op='avg' on {dtype} would truncate; use op='sum' and divide, or cast to a float dtype"
             )
+        if key in ("min", "max") and (dtype.kind == "f" or dtype in HALF_DTYPES):
+            mop = _nan_ops()[key]
         return mop, average
 
     def _launch(
@@ -497,6 +499,33 @@ class _Watched:
     def __exit__(self, *exc: Any) -> None:
         if self.token is not None:
             self.comm.watchdog.leave(self.token)
+
+
+_NAN_OPS: dict[str, Any] = {}
+
+
+def _nan_ops() -> dict[str, Any]:
+    """Return MPI min/max ops for floats that propagate NaN, as numpy's do.
+
+    MPI's built-in MIN/MAX compare with ``<``, so a NaN wins or loses depending
+    on the reduction order — different ranks can then end with different
+    results. These user-defined ops (numpy.minimum/maximum) make a NaN anywhere
+    the result everywhere.
+    """
+    if not _NAN_OPS:
+        from mpi4py import MPI
+
+        def make(fn: Any) -> Any:
+            def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                dtype = np.float32 if datatype.Get_size() == 4 else np.float64
+                a = np.frombuffer(inbuf, dtype=dtype)
+                b = np.frombuffer(inoutbuf, dtype=dtype)
+                fn(a, b, out=b)
+
+            return MPI.Op.Create(reduce, commute=True)
+
+        _NAN_OPS.update(min=make(np.minimum), max=make(np.maximum))
+    return _NAN_OPS
 
 
 def split_rows(n: int, parts: int) -> np.ndarray:
