@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _config
+from . import _config, checkpoint
 from .comm import (
     CollectiveMismatchError,
     Communicator,
@@ -53,6 +53,7 @@ __all__ = [
     "broadcast",
     "broadcast_async",
     "broadcast_object",
+    "checkpoint",
     "cuda_aware",
     "finalize",
     "init",

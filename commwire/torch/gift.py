@@ -153,6 +153,15 @@ class GiftHooks:
         self._rows.clear()
         return self.stage.refresh(self.comm)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Return the statistics gathered since the last refresh (so a checkpoint mid-window resumes exactly)."""
+        return {"gram": {n: g.cpu().clone() for n, g in self._gram.items()}, "rows": dict(self._rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore statistics saved by :meth:`state_dict`."""
+        self._gram = {n: g.clone() for n, g in state["gram"].items()}
+        self._rows = dict(state["rows"])
+
     def remove(self) -> None:
         """Detach the forward hooks."""
         for h in self._handles:

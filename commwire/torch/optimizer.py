@@ -295,6 +295,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Return the wrapped optimizer's state dict plus commwire's codec state under "commwire"."""
         sd = self._inner.state_dict()
         sd["commwire"] = self._fusion.state_dict()
+        if self._gift is not None:  # GIFT: statistics gathered since the last refresh
+            sd["commwire"]["gift_hooks"] = self._gift.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -310,6 +312,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  f"threshold): saved {len(saved_ids)} buckets, now {len(current)}; "
                                  "use the same model and fusion_threshold_mb to resume codec state")
             self._fusion.load_state_dict(ours)
+            if self._gift is not None and "gift_hooks" in ours:
+                self._gift.load_state_dict(ours["gift_hooks"])
             if self._gift is not None:  # GIFT: refuse factors that differ between ranks (collective)
                 self._gift.stage.verify(self.comm)
 

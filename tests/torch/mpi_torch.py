@@ -309,3 +309,53 @@ def test_nonfinite_gradient_policies_agree_on_every_rank(policy):
         assert opt.skipped_steps == 1 and opt.nonfinite
     else:
         assert not np.isfinite(after).all()  # NaN reached the weights: AMP-style scalers can see it
+
+
+def test_one_call_checkpoint_resumes_ef_gift_lordo_and_shared_codecs_bit_identically(tmp_path_factory):
+    import commwire as cw
+    from commwire.bench.lm import Corpus, LMConfig, make_lm
+
+    path = hvd.broadcast_object(str(tmp_path_factory.mktemp("ckpt") / "step") if RANK == 0 else None, 0)
+    corpus = Corpus.load()
+    cfg = LMConfig(d_model=32, layers=1, context=16, heads=2)
+
+    def build():
+        lm = make_lm(cfg, seed=0)
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(lm.parameters(), lr=1e-3),
+                                       named_parameters=lm.named_parameters(),
+                                       compression="gift:refresh=2+ef+fp8-e4m3", model=lm)
+        mlp = make_model(7, layers=1)
+        lordo = hvd.LoRDO(mlp.named_parameters(), lr=1e-2, rank=4, sync_every=2)
+        return {"lm": lm, "opt": opt, "mlp": mlp, "lordo": lordo}
+
+    def train(objs, steps, start):
+        for step in range(start, start + steps):
+            g = torch.Generator().manual_seed(100 * step + RANK)
+            x, y = corpus.batch("train", batch=4, context=16, generator=g)
+            objs["opt"].zero_grad()
+            objs["lm"].loss(x, y).backward()
+            objs["opt"].step()
+            objs["lordo"].zero_grad()
+            loss_fn(objs["mlp"], *batch(step, RANK)).backward()
+            objs["lordo"].step()
+            side = np.random.default_rng(step * 10 + RANK).standard_normal(300).astype(np.float32)
+            cw.allreduce(side, codec="ef+nvfp4", name="side")  # shared string-spec codec state
+
+    def snapshot(objs):
+        return {"lm": flat_params(objs["lm"]), "mlp": flat_params(objs["mlp"])}
+
+    first = build()
+    train(first, 5, 0)
+    cw.checkpoint.save(path, first)
+    train(first, 4, 5)
+    uninterrupted = snapshot(first)
+
+    second = build()
+    ckpt = cw.checkpoint.load(path, second)
+    assert isinstance(ckpt, str)
+    train(second, 4, 5)
+    resumed = snapshot(second)
+    np.testing.assert_array_equal(resumed["mlp"], uninterrupted["mlp"])  # LoRDO
+    np.testing.assert_array_equal(resumed["lm"], uninterrupted["lm"])  # EF + GIFT
+    with pytest.raises(ValueError, match="holds objects"):
+        cw.checkpoint.load(path, {"lm": second["lm"]})
