@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any, Callable
 
@@ -41,13 +42,16 @@ def _init_gloo(comm: Any) -> None:
 
     if dist.is_initialized():
         return
+    # MASTER_ADDR (torch's convention; `commwire run --lab` sets it) is where rank 0
+    # listens; on one machine that is loopback.
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = None
     if comm.rank == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             port = s.getsockname()[1]
     port = comm.broadcast_object(port, 0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size)
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:

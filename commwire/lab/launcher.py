@@ -89,6 +89,10 @@ def launch_args(np: int, env: Mapping[str, str]) -> tuple[list[str], dict[str, s
     # All lab "hosts" share this machine's cores: size codec thread pools for the
     # whole job, not for the one rank Hydra sees per host.
     out.setdefault("COMMWIRE_CODEC_THREADS", str(max(1, len(os.sched_getaffinity(0)) // np)))
+    # torch.distributed baselines (DDP over gloo) rendezvous with rank 0, which runs on
+    # the first host; gloo must also use the lab interface, not loopback.
+    out["MASTER_ADDR"] = spec.addresses[0]
+    out["GLOO_SOCKET_IFNAME"] = HOST_IFACE
     hostlist = ",".join(f"{name}:{count}" for name, count in zip(spec.names, counts))
     argv = [
         ip, "netns", "exec", spec.names[0], _mpiexec(out),
