@@ -29,6 +29,7 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "torch": "torch_ddp",
     "faults": "faults",
     "gift": "gift",
+    "project": "project",
 }
 
 
@@ -165,6 +166,7 @@ def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     torch      DistributedOptimizer vs torch DDP over gloo, codecs, fusion, overlap
     faults     kill -9 / raise / stall / link-cut jobs: each ends in time, failing rank named
     gift       GIFT vs direct/block FP8, error feedback, Hadamard on real LM gradients; training runs
+    project    alpha-beta cost model: fit on measurements, validate, project to 1024 nodes
     """
     module = f"commwire.bench.{BENCHMARKS[name]}"
     if importlib.util.find_spec(module) is None:
