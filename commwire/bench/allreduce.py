@@ -13,11 +13,12 @@ Run: ``commwire bench allreduce -np 4`` (or under any MPI launcher).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any, Callable
 
 import numpy as np
+
+from ._report import emit
 
 __all__ = ["run_allreduce_bench", "format_table", "main", "parse_size"]
 
@@ -172,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in run_allreduce_bench(sizes, repeats=args.repeats, budget_s=args.budget, codec=codec)]
     import commwire as cw
 
-    if cw.rank() == 0:
-        print(format_table(rows), flush=True)
-        if args.json_path:
-            with open(args.json_path, "w", encoding="utf-8") as fh:
-                json.dump(rows, fh, indent=1)
+    emit(format_table(rows), rows, args.json_path, rank=cw.rank())
     return 0
 
 

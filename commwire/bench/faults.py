@@ -18,7 +18,6 @@ Run: ``commwire bench faults --repeats 20`` (add ``--scenarios linkcut`` with a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -27,6 +26,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from ._report import emit
 
 __all__ = ["SCENARIOS", "run_fault_bench", "format_table", "main"]
 
@@ -162,14 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     records = run_fault_bench([s.strip() for s in args.scenarios.split(",") if s.strip()],
                               repeats=args.repeats, np_=args.np_, timeout=args.timeout)
-    print(format_table(records, args.timeout), flush=True)
+    emit(format_table(records, args.timeout), records, args.json_path)
     failed = [r for r in records if not r["ok"]]
     for r in failed[:3]:
         print(f"\nFAILED {r['scenario']} victim {r['victim']} (exit {r['exit']}, hung {r['hung']}, "
               f"named {r['named']}, orphans {r['orphans']}):\n{r['stderr_tail']}", flush=True)
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(records, fh, indent=1)
     return 1 if failed else 0
 
 

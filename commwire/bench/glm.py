@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import time
 from typing import Any
 
 import numpy as np
+
+from ._report import emit
 
 __all__ = ["DATASETS", "run_glm_bench", "format_table", "main"]
 
@@ -277,11 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_glm_bench(datasets=names, sweep=sweep, s=args.s, b=args.b, s_values=_ints(args.s_values),
                              b_values=_ints(args.b_values), steps=args.steps, sweep_steps=args.sweep_steps,
                              repeats=args.repeats, scale=args.scale, seed=args.seed)
-    if cw.rank() == 0:
-        print(format_table(rows), flush=True)
-        if args.json_path:
-            with open(args.json_path, "w", encoding="utf-8") as fh:
-                json.dump(rows, fh, indent=1)
+    emit(format_table(rows), rows, args.json_path, rank=cw.rank())
     return 0
 
 

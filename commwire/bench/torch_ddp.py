@@ -14,12 +14,13 @@ Run: ``commwire bench torch -np 4``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from typing import Any, Callable
 
 import numpy as np
+
+from ._report import emit
 
 __all__ = ["run_torch_bench", "format_table", "main", "make_model"]
 
@@ -171,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                            codecs=a.codecs, unfused=a.unfused, threads=a.threads)
     import commwire as cw
 
-    if cw.rank() == 0:
-        print(format_table(rows), flush=True)
-        if a.json_path:
-            with open(a.json_path, "w", encoding="utf-8") as fh:
-                json.dump(rows, fh, indent=1)
+    emit(format_table(rows), rows, a.json_path, rank=cw.rank())
     return 0
 
 
