@@ -39,9 +39,11 @@ __all__ = ["GiftBenchConfig", "ERROR_VARIANTS", "TRAIN_CODECS", "run_gift_bench"
 ERROR_VARIANTS = (
     "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "fp8-e5m2:block=128", "ef+fp8-e4m3", "hadamard+fp8-e4m3",
     "gift:ef=0+fp8-e4m3", "gift:ef=0,rank=0+fp8-e4m3", "gift+fp8-e4m3", "gift:ef=0+fp8-e5m2",
-    "nvfp4", "ef+nvfp4", "hadamard+nvfp4", "gift:ef=0+nvfp4", "gift+nvfp4",
+    "gift:ef=0,primal=1+fp8-e4m3",
+    "nvfp4", "ef+nvfp4", "hadamard+nvfp4", "gift:ef=0+nvfp4", "gift+nvfp4", "gift:ef=0,primal=1+nvfp4",
 )
-"""Codec specs of part 1 (``gift:ef=0`` is the bare transform; ``gift`` adds its error feedback)."""
+"""Codec specs of part 1 (``gift:ef=0`` is the bare transform; ``gift`` adds its error feedback;
+``primal=1`` sends W S, the orientation whose error is isotropic in the A-norm, instead of the paper's W S⁻¹)."""
 TRAIN_CODECS = ("none", "fp8-e4m3", "ef+fp8-e4m3", "gift+fp8-e4m3", "nvfp4", "gift+nvfp4")
 """Compressions of part 2 (``ef+fp8-e4m3`` separates GIFT's error feedback from its transform)."""
 
@@ -351,12 +353,14 @@ def _verdicts(errors: dict[str, Any]) -> list[str]:
                     continue
                 best = ranked[0]
                 direct = "fp8-e4m3" if family == "FP8" else "nvfp4"
-                gift = "gift:ef=0+fp8-e4m3" if family == "FP8" else "gift:ef=0+nvfp4"
+                inner = "fp8-e4m3" if family == "FP8" else "nvfp4"
                 line = (f"{family}, {where}, {metric}: best {best} "
                         f"({rows[f'{best}|{where}']['all weights'][metric]:.4f})")
-                if f"{gift}|{where}" in rows and f"{direct}|{where}" in rows:
-                    factor = rows[f"{direct}|{where}"]["all weights"][metric] / rows[f"{gift}|{where}"]["all weights"][metric]
-                    line += f"; direct {direct} / GIFT error ratio = {factor:.2f}x"
+                for label, gift in (("GIFT", f"gift:ef=0+{inner}"), ("primal GIFT", f"gift:ef=0,primal=1+{inner}")):
+                    if f"{gift}|{where}" in rows and f"{direct}|{where}" in rows:
+                        factor = (rows[f"{direct}|{where}"]["all weights"][metric]
+                                  / rows[f"{gift}|{where}"]["all weights"][metric])
+                        line += f"; direct / {label} error = {factor:.2f}x"
                 per_layer = {n: min(members, key=lambda s: rows[f"{s}|{where}"][n][metric]) for n in errors["linears"]}
                 gift_wins = [n for n, s in per_layer.items() if s.startswith("gift")]
                 line += f"; a GIFT variant is best on {len(gift_wins)}/{len(per_layer)} layers"
@@ -377,9 +381,10 @@ def _plots(result: dict[str, Any], out: Path) -> list[str]:
         specs = [k.split("|")[0] for k in errors["rows"] if k.endswith("|" + where)]
         layers = errors["linears"] + ["all weights"]
         width = 0.8 / max(len(specs), 1)
+        colours = plt.get_cmap("tab20")
         for i, spec in enumerate(specs):
             vals = [errors["rows"][f"{spec}|{where}"][n]["a_norm"] for n in layers]
-            ax.bar(np.arange(len(layers)) + i * width, vals, width, label=spec)
+            ax.bar(np.arange(len(layers)) + i * width, vals, width, label=spec, color=colours(i % 20))
         ax.set_xticks(np.arange(len(layers)) + 0.4, [n.replace(".weight", "") for n in layers], rotation=60,
                       fontsize=7)
         ax.set_yscale("log")
@@ -389,6 +394,19 @@ def _plots(result: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(out / "gift_errors.png", dpi=120)
     plt.close(fig)
     files.append("gift_errors.png")
+    specs = [k.split("|")[0] for k in errors["rows"] if k.endswith("|tensor")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 0.28 * len(specs) + 1.5), sharey=True)
+    for ax, (metric, label) in zip(axes, (("euclid", "Euclidean"), ("a_norm", "A-norm"), ("a_inv_norm", "A⁻¹-norm"))):
+        vals = [errors["rows"][f"{spec}|tensor"]["all weights"][metric] for spec in specs]
+        ax.barh(np.arange(len(specs)), vals, color=["tab:red" if sp.startswith("gift") else "tab:blue" for sp in specs])
+        ax.set_xscale("log")
+        ax.set_title(f"{label} error, all weights (per tensor)", fontsize=9)
+    axes[0].set_yticks(np.arange(len(specs)), specs, fontsize=7)
+    axes[0].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "gift_norms.png", dpi=120)
+    plt.close(fig)
+    files.append("gift_norms.png")
     if result.get("train"):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in result["train"]["rows"]:
@@ -414,7 +432,14 @@ def _markdown(result: dict[str, Any], cfg: GiftBenchConfig, files: list[str], ar
              "A⁻¹-norm ||L⁻¹Eᵀ||/||L⁻¹Wᵀ||, with L Lᵀ the damped input second moment of the layer measured on "
              "the error steps' own batches (the GIFT factors come from the preceding steps). 'all weights' pools "
              "the nn.Linear weights (root of summed squares). `gift:ef=0` is the bare transform; `gift` adds its "
-             "error feedback.", "", "## Verdicts (computed)", ""]
+             "error feedback; `gift:primal=1` sends W S instead of W S⁻¹.", "",
+             "Which norm a transform favours follows from the algebra, not from these runs: a relative-precision "
+             "format leaves an error roughly proportional to what it encodes, so sending W S⁻¹ (the paper's "
+             "whitening) leaves an error that is small in the A⁻¹-norm, the dual norm that K-FAC assigns to "
+             "gradients, while sending W S leaves one of about the format's relative error in the A-norm. Direct "
+             "encoding can still win in the A-norm: gradients lie mostly along the large-A directions, which the "
+             "A-norm weighs most and in which their own relative error is smallest. The tables say what happens "
+             "on these gradients.", "", "## Verdicts (computed)", ""]
     parts += [f"- {v}" for v in _verdicts(errors)]
     for where, title in (("tensor", "per tensor (own scale)"), ("bucket", "one fused bucket of all parameters")):
         for metric, label in (("a_norm", "A-norm"), ("euclid", "Euclidean"), ("a_inv_norm", "A⁻¹-norm")):

@@ -45,7 +45,7 @@ in ``codec.state`` and are saved by ``codec.state_dict()``; after
 confirmed that every rank loaded the same factors.
 
 Spec options (``gift:rank=16,refresh=100+fp8-e4m3``): ``rank`` (0 = full),
-``refresh``, ``ef`` (0/1), ``profile`` (steps, 0 = off), ``top``. ``damping``
+``refresh``, ``ef`` (0/1), ``profile`` (steps, 0 = off), ``top``, ``primal`` (0/1). ``damping``
 and an explicit ``layers`` list are set through :class:`GiftConfig` only and do
 not appear in the spec.
 
@@ -107,6 +107,9 @@ class GiftConfig:
     """With profiling: keep this many most fragile layers (0 = every layer with any hit)."""
     layers: tuple[str, ...] | None = None
     """Explicit weight names to transform (overrides profiling); None = automatic."""
+    primal: bool = False
+    """Send W S instead of the paper's W S⁻¹: the quantisation error is then isotropic in the A-norm
+    ||E L_A|| (the metric of gift.md) instead of the A⁻¹-norm (the dual norm, the paper's whitening)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "refresh", "profile", "top"):
@@ -117,8 +120,9 @@ class GiftConfig:
             raise ValueError(f"GiftConfig.refresh={self.refresh!r}; use an int >= 1 (steps between refreshes)")
         if not isinstance(self.damping, (int, float)) or not 0.0 < float(self.damping) < 1.0:
             raise ValueError(f"GiftConfig.damping={self.damping!r}; use a float in (0, 1), e.g. 1e-3")
-        if not isinstance(self.ef, bool):
-            raise ValueError(f"GiftConfig.ef={self.ef!r}; use True or False")
+        for name in ("ef", "primal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r}; use True or False")
         if self.layers is not None:
             if isinstance(self.layers, str) or not all(isinstance(n, str) and n for n in self.layers):
                 raise ValueError(f"GiftConfig.layers={self.layers!r}; use a tuple of weight names")
@@ -155,13 +159,13 @@ class GiftFactor:
             coeff = torch.as_tensor(coeff, dtype=w.dtype, device=w.device)
         return w * scale + ((w @ u) * coeff) @ u.T
 
-    def forward(self, w: Any) -> Any:
-        """Return W S⁻¹ (= W S⁻ᵀ) for W of shape (..., d_in), in W's dtype."""
-        return self._apply(w, -0.5)
+    def forward(self, w: Any, primal: bool = False) -> Any:
+        """Return W S⁻¹ (= W S⁻ᵀ) for W of shape (..., d_in), in W's dtype; W S if ``primal``."""
+        return self._apply(w, 0.5 if primal else -0.5)
 
-    def inverse(self, w: Any) -> Any:
-        """Return W S (= W Sᵀ): the map back from wire coordinates."""
-        return self._apply(w, 0.5)
+    def inverse(self, w: Any, primal: bool = False) -> Any:
+        """Return W S (= W Sᵀ): the map back from wire coordinates; W S⁻¹ if ``primal``."""
+        return self._apply(w, -0.5 if primal else 0.5)
 
     def matrix(self) -> np.ndarray:
         """Return S as a dense float64 matrix (for tests and metrics)."""
@@ -264,10 +268,11 @@ class Gift(Wrapper):
     @classmethod
     def from_spec(cls, codec: Codec, **options: int) -> Gift:
         """Build the stage from spec options (``ef`` given as 0/1); the registry's ``gift`` factory."""
-        if "ef" in options:
-            if options["ef"] not in (0, 1):
-                raise ValueError(f"gift option ef={options['ef']!r}; use ef=0 or ef=1")
-            options = {**options, "ef": bool(options["ef"])}
+        for flag in ("ef", "primal"):
+            if flag in options:
+                if options[flag] not in (0, 1):
+                    raise ValueError(f"gift option {flag}={options[flag]!r}; use {flag}=0 or {flag}=1")
+                options = {**options, flag: bool(options[flag])}
         return cls(codec, **options)
 
     # ------------------------------------------------------------------ codec contract
@@ -275,7 +280,7 @@ class Gift(Wrapper):
     def spec(self) -> str:
         """Return ``"gift[:options]+<inner spec>"`` (defaults omitted)."""
         c, default = self.config, GiftConfig()
-        opts = [f"{k}={int(getattr(c, k))}" for k in ("rank", "refresh", "ef", "profile", "top")
+        opts = [f"{k}={int(getattr(c, k))}" for k in ("rank", "refresh", "ef", "profile", "top", "primal")
                 if getattr(c, k) != getattr(default, k)]
         return "gift" + (":" + ",".join(opts) if opts else "") + "+" + self.codec.spec
 
@@ -486,8 +491,8 @@ class Gift(Wrapper):
             r = slot["residual"]
             for name, off, rows, d in self._plan(key, int(r.shape[0]), old):
                 seg = r[off:off + rows * d].reshape(rows, d)
-                back = old[name].inverse(seg.astype(np.float64))
-                seg[...] = new[name].forward(back) if name in new and new[name].d == d else back
+                back = old[name].inverse(seg.astype(np.float64), self.config.primal)
+                seg[...] = new[name].forward(back, self.config.primal) if name in new and new[name].d == d else back
 
     # ------------------------------------------------------------------ whole-tensor mapping
     def _layout(self, key: Hashable, n: int, factors: dict[str, GiftFactor]) -> list[tuple[str, int, tuple]]:
@@ -548,7 +553,7 @@ class Gift(Wrapper):
             y = x.copy() if isinstance(x, np.ndarray) else x.clone()
             for name, off, rows, d in plan:
                 seg = y[off:off + rows * d].reshape(rows, d)
-                seg[...] = factors[name].forward(seg)
+                seg[...] = factors[name].forward(seg, self.config.primal)
             mask = self._mask(key, n, plan) if plan and self.config.ef else None
             self._live[key] = _Live(buffer=y, plan=plan, factors=factors, mask=mask, members=members)
         self.timings["transform_s"] += time.perf_counter() - start
@@ -563,7 +568,7 @@ class Gift(Wrapper):
             return
         for name, off, rows, d in live.plan:
             seg = y[off:off + rows * d].reshape(rows, d)
-            seg[...] = live.factors[name].inverse(seg)
+            seg[...] = live.factors[name].inverse(seg, self.config.primal)
         self.timings["transform_s"] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ profiling and error feedback

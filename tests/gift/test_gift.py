@@ -42,6 +42,27 @@ def test_full_factor_squares_to_damped_statistics():
     w = np.random.default_rng(1).standard_normal((7, 24))
     assert _rel(f.forward(w), w @ np.linalg.inv(s).T) < 1e-10
     assert _rel(f.inverse(f.forward(w)), w) < 1e-12
+    # primal orientation: W S on the wire, so the error maps back through S⁻¹
+    assert _rel(f.forward(w, primal=True), w @ s) < 1e-10
+    assert _rel(f.inverse(f.forward(w, primal=True), primal=True), w) < 1e-12
+
+
+def test_primal_spec_round_trips_and_is_exact_without_quantisation():
+    codec = codecs.get("gift:primal=1,ef=0+fp8-e4m3")
+    assert codec.spec == "gift:ef=0,primal=1+fp8-e4m3"
+    assert codecs.get(codec.spec).spec == codec.spec
+    with pytest.raises(ValueError, match="primal=2"):
+        codecs.get("gift:primal=2+fp8-e4m3")
+    lossless = Gift(codecs.get("none"), rank=4, primal=True, ef=False)
+    lossless.observe("w", _gram(16) * 50, 50)
+    lossless.refresh()
+    x = np.random.default_rng(4).standard_normal(5 * 16).astype(np.float32)
+    y = lossless.tensor_forward(x, "w")
+    np.testing.assert_allclose(y.reshape(5, 16), lossless.factors()["w"].forward(x.reshape(5, 16).astype(np.float64),
+                                                                                 primal=True), rtol=1e-5, atol=1e-6)
+    out = y.copy()
+    lossless.tensor_inverse(out, "w")
+    np.testing.assert_allclose(out, x, rtol=1e-4, atol=1e-5)
 
 
 def test_low_rank_equals_full_when_statistics_are_rank_r_plus_isotropic():
