@@ -151,8 +151,8 @@ def _compare(rows: list[dict[str, Any]]) -> None:
 
 
 def run_glm_bench(*, datasets: list[str] | None = None, sweep: list[str] | None = None,
-                  s: int = 16, b: int = 16, s_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-                  b_values: tuple[int, ...] = (8, 32, 128), steps: int = 4096, sweep_steps: int = 1024,
+                  s: int = 32, b: int = 4, s_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                  b_values: tuple[int, ...] = (4, 16, 64), steps: int = 4096, sweep_steps: int = 1024,
                   repeats: int = 3, scale: float = 1.0, seed: int = 0, comm: Any = None) -> list[dict[str, Any]]:
     """Run the headline comparison on each data set and the s x b sweep; return table rows.
 
@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--datasets", default=",".join(DATASETS), help="headline data sets (comma-separated)")
     parser.add_argument("--sweep", default="susy-like,epsilon-like",
                         help="data sets to sweep over s and b ('' for none)")
-    parser.add_argument("--s", type=int, default=16, help="s of the headline CA-SGD rows")
-    parser.add_argument("--b", type=int, default=16, help="batch size of the headline rows")
+    parser.add_argument("--s", type=int, default=32, help="s of the headline CA-SGD rows")
+    parser.add_argument("--b", type=int, default=4, help="batch size of the headline rows")
     parser.add_argument("--s-values", default="1,2,4,8,16,32", help="s values of the sweep")
-    parser.add_argument("--b-values", default="8,32,128", help="batch sizes of the sweep")
+    parser.add_argument("--b-values", default="4,16,64", help="batch sizes of the sweep")
     parser.add_argument("--steps", type=int, default=4096, help="inner steps of each headline run")
     parser.add_argument("--sweep-steps", type=int, default=1024, help="inner steps of each sweep run")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per row (median kept)")

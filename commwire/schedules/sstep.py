@@ -4,9 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 
 __all__ = ["SStepGram"]
+
+
+_FULL_FROM = 4
+"""From this s on, numpy panels use one full GEMM + pack (below it the per-step GEMMs are cheaper)."""
+
+
+@numba.njit(cache=True, nogil=True)
+def _pack(full: np.ndarray, out: np.ndarray, k: int, b: int) -> None:  # pragma: no cover - compiled
+    """Copy the chunks [v_j | G_j,<j] of steps j < k from the full panel product into the payload."""
+    pos = 0
+    for j in range(k):
+        width = 1 + j * b
+        for i in range(b):
+            row = full[1 + j * b + i]
+            for c in range(width):
+                out[pos + c] = row[c]
+            pos += width
 
 
 def _array_module(name: str) -> Any:
@@ -28,13 +46,20 @@ class SStepGram:
     is its slice of the weights, the rows below the s stacked batches of its column
     block. `exchange(k)` computes, per step j < k, the chunk
     C_j = Y_j A[:1 + j*b]^T = [v_j | G_j0 ... G_j,j-1]  (b x (1 + j*b)),
-    i.e. the base margins v_j = Y_j w and the strictly block-lower Gram row, with one
-    GEMM each (no diagonal or upper blocks are formed), then sums the chunks over the
-    ranks in ONE allreduce of words(k, b) = k*b + k(k-1)/2 * b^2 numbers. Chunks are
+    i.e. the base margins v_j = Y_j w and the strictly block-lower Gram row, then sums
+    the chunks over the ranks in ONE allreduce of words(k, b) = k*b + k(k-1)/2 * b^2 numbers. Chunks are
     laid out step by step, so a short final group of k < s steps sends a prefix of
     the same buffer. With s = 1 this is exactly the margins message of plain SGD.
 
-    Everything is allocated once here; exchange() allocates nothing.
+    How the chunks are computed depends on the array module. On numpy, one GEMM of
+    the whole panel A A^T followed by a compiled copy of the block-lower part: it
+    does twice the flops of the triangle, yet beats s skinny GEMMs (b rows each) by
+    2.7x on this project's CPU (96 vs 262 µs at s=32, b=4, n_local=500, one BLAS
+    thread); used from s = 4 on. For smaller s, and on other modules (cupy), one GEMM per step straight into the payload,
+    so no diagonal or upper blocks are formed.
+
+    Everything is allocated once here; exchange() allocates nothing (except for a
+    short final group of k < s steps, on numpy).
 
     Example:
         >>> ex = SStepGram(s=4, b=8, n_local=16, dtype="float32")
@@ -74,6 +99,8 @@ class SStepGram:
         same = self.comm_dtype == self.dtype
         self._wire = self._local if same else xp_.zeros(total, dtype=self.comm_dtype)
         b_ = self.b
+        self._full = (np.empty((1 + self.s * b_, 1 + self.s * b_), dtype=self.dtype)
+                      if xp_ is np and self.s >= _FULL_FROM else None)
         self._gemms = []
         for j in range(self.s):
             off = self.offset(j)
@@ -96,6 +123,12 @@ class SStepGram:
     def compute(self, k: int | None = None) -> Any:
         """Compute this rank's chunks for the first k steps of the panel; return the local payload."""
         k = self.s if k is None else k
+        if self._full is not None:
+            rows = 1 + k * self.b
+            a = self.panel[:rows]
+            full = np.matmul(a, a.T, out=self._full) if k == self.s else a @ a.T
+            _pack(full, self._local, k, self.b)
+            return self._local[:self.words(k, self.b)]
         matmul = self.xp.matmul
         for a, bt, out in self._gemms[:k]:
             matmul(a, bt, out=out)
