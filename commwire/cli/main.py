@@ -30,7 +30,10 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "faults": "faults",
     "gift": "gift",
     "project": "project",
+    "suite": "suite",
 }
+# Benchmarks that launch their own MPI jobs: never run under mpiexec; -np N becomes their --np N.
+DRIVERS = {"suite", "faults"}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -167,10 +170,15 @@ def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     faults     kill -9 / raise / stall / link-cut jobs: each ends in time, failing rank named
     gift       GIFT vs direct/block FP8, error feedback, Hadamard on real LM gradients; training runs
     project    alpha-beta cost model: fit on measurements, validate, project to 1024 nodes
+    suite      all of allreduce, glm, torch (loopback and --lab bandwidths): JSON + Markdown + PNG report
     """
     module = f"commwire.bench.{BENCHMARKS[name]}"
     if importlib.util.find_spec(module) is None:
         raise click.ClickException(f"benchmark {name!r} is not installed in this commwire build")
+    if name in DRIVERS:
+        # A driver starts `commwire run` jobs itself: run it here, with -np passed on to it.
+        forwarded = ["--np", str(np_)] if np_ is not None else []
+        sys.exit(importlib.import_module(module).main([*forwarded, *args]) or 0)
     if np_ is not None and np_ > 1:
         try:
             argv = launch.build_command(launch.find_launcher(), np_, [sys.executable, "-m", module, *args],

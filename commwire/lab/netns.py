@@ -148,8 +148,8 @@ def status() -> LabSpec | None:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so a killed `up` still tears down."""
+def signals_raise() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so a killed `up` (or a driver holding a lab) still tears down."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -235,7 +235,7 @@ def up(hosts: int, bandwidth: str = "1gbit") -> LabSpec:
                 "run `commwire lab down` first"
             )
         try:
-            with _signals_raise():
+            with signals_raise():
                 _build(tools, wanted)
                 _spec.save_state(wanted)
         except BaseException:
