@@ -1,22 +1,27 @@
 """Latency–bandwidth (α–β) cost model: calibrate on measurements, validate, project to many nodes.
 
-Model of one all-reduce of n bytes on P nodes (MPICH's large-message
-algorithm, reduce-scatter + all-gather, and its log-depth small-message one):
+Model of one all-reduce of n bytes on P nodes, following MPICH's algorithms:
+recursive doubling up to 2 KiB (R = ⌈log2 P⌉ rounds, V = R·n bytes sent per
+rank), reduce-scatter + all-gather above (R = 2⌈log2 P⌉, V = 2(P−1)/P · n):
 
-    T_fp32(n, P)  = 2·⌈log2 P⌉·α + 2·(P−1)/P · n·β
+    T_fp32(n, P) = R·(α + α_s·f) + V·(β + β_s·f),   f = max(0, 1 − cores/P)
 
-and of commwire's compressed all-reduce with wire ratio w (bytes on the wire
-per FP32 byte) and measured codec throughputs:
+f is the share of time a partner rank waits for a core when P ranks share
+``cores`` cores — the lab runs every emulated host on this machine; on a
+cluster (one rank per node) f = 0 and only α and β remain. The compressed
+all-reduce (wire ratio w, codec throughputs measured here) is pipelined:
 
-    T_codec(n, P) = (P−1+⌈log2 P⌉)·α + 2·(P−1)/P · w·n·β + n/enc·(1+1/P) + n/dec·(1+1/P)
+    T_codec(n, P) = max(wire, cpu) + (wire + cpu)/segments,
+    wire = segments·(P−1+⌈log2 P⌉)·(α + α_s·f) + 2(P−1)/P · w·n·(β + β_s·f),
+    cpu  = (n(1+1/P)/enc + 2n/dec) · max(1, P/cores)
 
-(codec time counted in full: no overlap is assumed). α and β are fitted by
-least squares on relative error to FP32 all-reduce times measured by
-``commwire bench allreduce --json`` on some node counts, and the fit is
-checked against measurements on others.
+α, β, α_s, β_s are fitted (non-negative least squares on relative error) to
+FP32 all-reduce times measured by ``commwire bench allreduce --json``; sizes
+or node counts left out of the fit are predicted and the error reported.
 
 Run:
-    commwire bench project --calibrate lab2.json --validate lab4.json lab8.json
+    commwire bench project --calibrate lab2.json lab4.json --fit-sizes 16,4K,256K,16M \
+        --validate lab2.json lab4.json lab8.json
     commwire bench project --nodes 2,16,256,1024 --bandwidth 100gbit --latency 5us --size 64M
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,50 +39,124 @@ import numpy as np
 __all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "main"]
 
 
+SHORT_BYTES = 2048
+"""Up to this size MPICH all-reduces by recursive doubling (log2 P rounds of the whole
+message); above it by reduce-scatter + all-gather (2 log2 P rounds, 2(P-1)/P of it)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkModel:
-    """Per-message latency α (s) and per-byte time β (s/B) of the network."""
+    """Per-round latency α (s) and per-byte time β (s/B) of the network, plus core sharing.
+
+    When P ranks share ``cores`` cores (the lab: every emulated host runs on this
+    machine), a rank's partner is descheduled a fraction f = 1 - cores/P of the time,
+    and each round and each byte costs that much more: α + α_shared·f and
+    β + β_shared·f. On a real cluster (one rank per node) ``cores`` is None and f = 0.
+    """
 
     alpha: float
     beta: float
+    alpha_shared: float = 0.0
+    beta_shared: float = 0.0
+    cores: int | None = None
 
     def __post_init__(self) -> None:
-        if self.alpha < 0 or self.beta <= 0:
-            raise ValueError(f"alpha={self.alpha} must be >= 0 and beta={self.beta} > 0")
+        if self.alpha < 0 or self.beta <= 0 or self.alpha_shared < 0 or self.beta_shared < 0:
+            raise ValueError(f"alpha={self.alpha}, alpha_shared={self.alpha_shared} and beta_shared="
+                             f"{self.beta_shared} must be >= 0 and beta={self.beta} > 0")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores={self.cores!r}; use a positive int, or None for one rank per node")
+
+    def sharing(self, p: int) -> float:
+        """Return f = 1 - cores/P, the fraction of time a partner rank waits for a core (0 if not shared)."""
+        return max(0.0, 1.0 - self.cores / p) if self.cores else 0.0
+
+    def round_s(self, p: int) -> float:
+        """Return the time of one message round on ``p`` ranks."""
+        return self.alpha + self.alpha_shared * self.sharing(p)
+
+    def byte_s(self, p: int) -> float:
+        """Return the time per byte on ``p`` ranks."""
+        return self.beta + self.beta_shared * self.sharing(p)
+
+    def alone(self) -> LinkModel:
+        """Return the same network with one rank per node (no core sharing): what a cluster has."""
+        return LinkModel(alpha=self.alpha, beta=self.beta)
+
 
 
 def _steps(p: int) -> int:
     return max(1, math.ceil(math.log2(p))) if p > 1 else 0
 
 
+def _terms(nbytes: float, p: int) -> tuple[float, float]:
+    """Return (rounds, bytes each rank sends) of MPICH's all-reduce of ``nbytes`` on ``p`` ranks."""
+    if p <= 1:
+        return 0.0, 0.0
+    if nbytes <= SHORT_BYTES:
+        return float(_steps(p)), _steps(p) * nbytes
+    return 2.0 * _steps(p), 2 * (p - 1) / p * nbytes
+
+
 def allreduce_seconds(m: LinkModel, nbytes: float, p: int) -> float:
     """Return the modelled FP32 all-reduce time of ``nbytes`` on ``p`` nodes."""
-    if p <= 1:
-        return 0.0
-    return 2 * _steps(p) * m.alpha + 2 * (p - 1) / p * nbytes * m.beta
+    rounds, volume = _terms(nbytes, p)
+    return rounds * m.round_s(p) + volume * m.byte_s(p)
+
+
+PIPELINE_BYTES = 4 << 20
+"""FP32 bytes per pipeline segment of the compressed all-reduce (its default)."""
 
 
 def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float, enc_Bps: float,
                        dec_Bps: float) -> float:
-    """Return the modelled compressed all-reduce time (Alltoall + Allgather of payloads, codec in full)."""
+    """Return the modelled compressed all-reduce time (pipelined Alltoallv + Allgatherv of payloads).
+
+    Per rank: encode n(1 + 1/P) bytes of FP32, decode 2n; the wire carries 2(P-1)/P · w·n.
+    Segments overlap codec work with the wire, so the time is the larger of the two plus
+    one segment of each (pipeline fill and drain). Codec work slows by P/cores when
+    ranks share cores.
+    """
+    cpu = (nbytes * (1 + 1 / p) / enc_Bps + 2 * nbytes / dec_Bps)
     if p <= 1:
         return nbytes / enc_Bps + nbytes / dec_Bps
-    transfer = (p - 1 + _steps(p)) * m.alpha + 2 * (p - 1) / p * wire_ratio * nbytes * m.beta
-    codec = (nbytes / enc_Bps + nbytes / dec_Bps) * (1 + 1 / p)
-    return transfer + codec
+    if m.cores:
+        cpu *= max(1.0, p / m.cores)
+    segments = max(1, math.ceil(nbytes / PIPELINE_BYTES))
+    wire = (segments * (p - 1 + _steps(p)) * m.round_s(p)
+            + 2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
+    return max(wire, cpu) + (wire + cpu) / segments
 
 
-def fit(samples: list[tuple[int, float, float]]) -> LinkModel:
-    """Fit α, β to (nodes, bytes, seconds) samples, minimising relative error."""
-    rows = [(2 * _steps(p), 2 * (p - 1) / p * n, t) for p, n, t in samples if p > 1 and t > 0]
+def fit(samples: list[tuple[int, float, float]], cores: int | None = None) -> LinkModel:
+    """Fit the model to (nodes, bytes, seconds) samples, minimising relative error.
+
+    With ``cores`` (the cores the measured ranks shared), the core-sharing terms are
+    fitted too when the samples include node counts above it; coefficients are kept
+    non-negative (a negative one is dropped and the rest refitted).
+    """
+    probe = LinkModel(alpha=0.0, beta=1.0, cores=cores)
+    rows = []
+    for p, n, t in samples:
+        if p > 1 and t > 0:
+            r, v = _terms(n, p)
+            f = probe.sharing(p)
+            rows.append(([r, r * f, v, v * f], t))
     if len(rows) < 2:
         raise ValueError(f"need at least 2 samples on more than one node to fit, got {len(rows)}")
-    a = np.array([[c / t, b / t] for c, b, t in rows])
-    coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
-    alpha, beta = (max(float(v), 0.0) for v in coef)
-    if beta <= 0:
+    a = np.array([[c / t for c in cols] for cols, t in rows])
+    active = [i for i in range(4) if np.any(a[:, i] > 0)]
+    coef = np.zeros(4)
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], np.ones(len(rows)), rcond=None)
+        if np.all(sol >= 0):
+            coef[active] = sol
+            break
+        active = [i for i, v in zip(active, sol) if v >= 0]  # drop the negative terms, refit the rest
+    if coef[2] <= 0:
         raise ValueError("the samples do not determine a bandwidth; include messages of a few MB")
-    return LinkModel(alpha=alpha, beta=beta)
+    return LinkModel(alpha=float(coef[0]), alpha_shared=float(coef[1]), beta=float(coef[2]),
+                     beta_shared=float(coef[3]), cores=cores)
 
 
 def _load(paths: list[str]) -> list[tuple[int, float, float]]:
@@ -88,12 +168,14 @@ def _load(paths: list[str]) -> list[tuple[int, float, float]]:
     return samples
 
 
-def validate(m: LinkModel, samples: list[tuple[int, float, float]]) -> list[dict[str, Any]]:
-    """Return measured vs predicted FP32 all-reduce time for each sample."""
+def validate(m: LinkModel, samples: list[tuple[int, float, float]],
+             fitted: set[tuple[int, float]] | None = None) -> list[dict[str, Any]]:
+    """Return measured vs predicted FP32 all-reduce time for each sample (``fit``: was it fitted on)."""
     out = []
     for p, n, t in samples:
         pred = allreduce_seconds(m, n, p)
-        out.append({"nodes": p, "bytes": n, "measured_s": t, "predicted_s": pred, "error": pred / t - 1})
+        out.append({"nodes": p, "bytes": n, "measured_s": t, "predicted_s": pred, "error": pred / t - 1,
+                    "fit": (p, n) in (fitted or set())})
     return out
 
 
@@ -140,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", nargs="*", default=[], help="bench allreduce --json files to fit α, β on")
     parser.add_argument("--validate", nargs="*", default=[], help="files whose times the fitted model predicts")
+    parser.add_argument("--fit-sizes", help="fit only on these sizes of the calibration files (e.g. 16,4K,256K,16M); "
+                        "the others are held out and predicted")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                        help="cores the measured ranks shared (default: this machine's; 0: one rank per node)")
     parser.add_argument("--nodes", default="2,4,8,16,64,256,1024", help="node counts to project to")
     parser.add_argument("--bandwidth", help="link bandwidth (e.g. 100gbit); default: the fitted β")
     parser.add_argument("--latency", help="per-message latency (e.g. 5us); default: the fitted α")
@@ -147,21 +233,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codecs", default="fp8-e4m3,nvfp4", help="codecs to project (throughput measured here)")
     args = parser.parse_args(argv)
 
-    model = fit(_load(args.calibrate)) if args.calibrate else None
-    if model is not None:
-        print(f"fitted on {', '.join(args.calibrate)}: α = {model.alpha * 1e6:.1f} µs, "
-              f"β = {model.beta * 1e9:.3f} ns/B ({8 / model.beta / 1e9:.2f} Gbit/s)")
+    if args.cores < 0:
+        raise SystemExit(f"--cores {args.cores} is negative; give the cores the ranks shared, or 0 for none")
+    model, fitted = None, set()
+    if args.calibrate:
+        samples = _load(args.calibrate)
+        if args.fit_sizes:
+            keep = {parse_size(v) for v in args.fit_sizes.split(",") if v.strip()}
+            samples = [smp for smp in samples if smp[1] in keep]
+        fitted = {(p, n) for p, n, _ in samples}
+        model = fit(samples, cores=args.cores or None)
+        print(f"fitted on {len(samples)} samples of {', '.join(args.calibrate)}: α = {model.alpha * 1e6:.1f} µs, "
+              f"β = {model.beta * 1e9:.3f} ns/B ({8 / model.beta / 1e9:.2f} Gbit/s); core sharing "
+              f"({model.cores or 'none'} cores): +{model.alpha_shared * 1e6:.1f} µs and "
+              f"+{model.beta_shared * 1e9:.3f} ns/B times f = 1 - cores/P")
     if args.validate:
         if model is None:
             raise SystemExit("--validate needs --calibrate files to fit the model first")
-        rows = validate(model, _load(args.validate))
-        print("| nodes | size | measured ms | predicted ms | error |\n|---|---|---|---|---|")
+        rows = validate(model, _load(args.validate), fitted)
+        print("| nodes | size | measured ms | predicted ms | error | |\n|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['nodes']} | {r['bytes']:.0f} B | {r['measured_s'] * 1e3:.3f} | "
-                  f"{r['predicted_s'] * 1e3:.3f} | {r['error']:+.0%} |")
-        big = [abs(r["error"]) for r in rows if r["bytes"] >= 1 << 20]
-        if big:
-            print(f"max |error| at >= 1 MiB: {max(big):.0%}; over all sizes: {max(abs(r['error']) for r in rows):.0%}")
+                  f"{r['predicted_s'] * 1e3:.3f} | {r['error']:+.0%} | {'fitted' if r['fit'] else 'held out'} |")
+        for p in sorted({r["nodes"] for r in rows}):
+            held = [abs(r["error"]) for r in rows if r["nodes"] == p and not r["fit"]]
+            if held:
+                print(f"{p} nodes: max |error| of {len(held)} held-out sizes {max(held):.0%}, "
+                      f"mean {sum(held) / len(held):.0%}")
+    if model is not None:
+        model = model.alone()  # a cluster: one rank per node
     alpha = _parse_latency(args.latency) if args.latency else (model.alpha if model else None)
     beta = 8 / parse_bandwidth(args.bandwidth) if args.bandwidth else (model.beta if model else None)
     if alpha is None or beta is None:

@@ -26,7 +26,30 @@ def test_compressed_model_approaches_the_byte_ratio_when_codecs_are_free():
     n = 64 << 20
     fp32 = project.allreduce_seconds(link, n, 8)
     fp8 = project.compressed_seconds(link, n, 8, wire_ratio=0.25, enc_Bps=1e18, dec_Bps=1e18)
-    assert fp32 / fp8 == pytest.approx(4.0, rel=1e-6)
+    segments = n // project.PIPELINE_BYTES  # one segment of pipeline fill/drain on top of the wire time
+    assert fp32 / fp8 == pytest.approx(4.0 / (1 + 1 / segments), rel=1e-6)
+    # codec work hides behind the wire until it is the longer of the two
+    slow = project.compressed_seconds(link, n, 8, wire_ratio=0.25, enc_Bps=1e8, dec_Bps=1e8)
+    assert slow > fp8 and slow == pytest.approx((n * (1 + 1 / 8) / 1e8 + 2 * n / 1e8) * (1 + 1 / segments)
+                                                 + fp8 / (1 + 1 / segments) / segments, rel=1e-6)
+
+
+def test_core_sharing_terms_are_recovered_and_dropped_for_a_cluster():
+    truth = project.LinkModel(alpha=15e-6, beta=8e-9, alpha_shared=50e-6, beta_shared=2e-9, cores=2)
+    assert truth.sharing(2) == 0.0 and truth.sharing(8) == pytest.approx(0.75)
+    samples = [(p, n, project.allreduce_seconds(truth, n, p)) for p in (2, 4) for n in (16, 1024, 1 << 16, 1 << 24)]
+    fitted = project.fit(samples, cores=2)
+    for name in ("alpha", "beta", "alpha_shared", "beta_shared"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    # predicts a node count it never saw
+    assert project.allreduce_seconds(fitted, 1 << 20, 8) == pytest.approx(project.allreduce_seconds(truth, 1 << 20, 8))
+    # without the cores the sharing terms cannot be fitted and are dropped; a cluster has none
+    assert project.fit(samples).alpha_shared == 0.0
+    alone = fitted.alone()
+    assert alone.sharing(1024) == 0.0 and alone.alpha == fitted.alpha and alone.beta_shared == 0.0
+    # recursive doubling below 2 KiB: log2 P rounds; reduce-scatter + all-gather above: 2 log2 P
+    assert project._terms(16, 8) == (3.0, 48.0)
+    assert project._terms(1 << 20, 8) == (6.0, 2 * 7 / 8 * (1 << 20))
 
 
 def test_bad_input_is_refused():
@@ -36,6 +59,8 @@ def test_bad_input_is_refused():
         project._parse_latency("fast")
     with pytest.raises(ValueError, match="beta"):
         project.LinkModel(alpha=1e-6, beta=0.0)
+    with pytest.raises(ValueError, match="cores=0"):
+        project.LinkModel(alpha=1e-6, beta=1e-9, cores=0)
 
 
 def test_projection_prints_a_row_per_node_count(capsys):
