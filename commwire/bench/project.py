@@ -13,7 +13,7 @@ all-reduce (wire ratio w, codec throughputs measured here) is pipelined:
 
     T_codec(n, P) = max(wire, cpu) + (wire + cpu)/segments,
     wire = segments·(P−1+⌈log2 P⌉)·(α + α_s·f) + 2(P−1)/P · w·n·(β + β_s·f),
-    cpu  = (n(1+1/P)/enc + 2n/dec) · max(1, P/cores)
+    cpu  = (n/enc + n(2−1/P)/dec) · max(1, P/cores)
 
 α, β, α_s, β_s are fitted (non-negative least squares on relative error) to
 FP32 all-reduce times measured by ``commwire bench allreduce --json``; sizes
@@ -112,12 +112,13 @@ def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float
                        dec_Bps: float) -> float:
     """Return the modelled compressed all-reduce time (pipelined Alltoallv + Allgatherv of payloads).
 
-    Per rank: encode n(1 + 1/P) bytes of FP32, decode 2n; the wire carries 2(P-1)/P · w·n.
+    Per rank: encode n bytes of FP32 (the others' chunks, then its reduced one), decode
+    n(2 - 1/P); the wire carries 2(P-1)/P · w·n.
     Segments overlap codec work with the wire, so the time is the larger of the two plus
     one segment of each (pipeline fill and drain). Codec work slows by P/cores when
     ranks share cores.
     """
-    cpu = (nbytes * (1 + 1 / p) / enc_Bps + 2 * nbytes / dec_Bps)
+    cpu = nbytes / enc_Bps + nbytes * (2 - 1 / p) / dec_Bps
     if p <= 1:
         return nbytes / enc_Bps + nbytes / dec_Bps
     if m.cores:

@@ -3,10 +3,11 @@
 MPI cannot add packed or scaled codes, so the reduction happens on decoded
 values (the scheme of DeepSpeed's 1-bit Adam, Bagua and torchft's FP8 path):
 
-1. every rank encodes chunk i of its tensor for rank i (one scale per chunk);
-2. Alltoallv: rank j receives every rank's encoding of chunk j;
-3. rank j decodes them and sums in FP32 (``avg`` divides here), then
-   re-encodes its reduced chunk;
+1. every rank encodes chunk i of its tensor for rank i (one scale per chunk),
+   except its own chunk, which it keeps in FP32;
+2. Alltoallv: rank j receives every other rank's encoding of chunk j;
+3. rank j decodes them and sums them with its own FP32 chunk (``avg`` divides
+   here), then re-encodes its reduced chunk;
 4. Allgatherv of the re-encoded chunks; every rank decodes all of them, its
    own included, so all ranks end with bit-identical results.
 
@@ -178,6 +179,8 @@ class _Run:
         def start_exchange(i: int) -> None:
             seg = segs[i]
             for r in range(size):
+                if r == rank:
+                    continue  # this rank reduces its own chunk from the FP32 input: nothing to encode
                 o = int(seg.offsets[r])
                 self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])], (self.key, "w", i, r))
             w = int(seg.wire[rank])
@@ -192,11 +195,13 @@ class _Run:
             self._wait(seg.req)
             m, w = int(seg.counts[rank]), int(seg.wire[rank])
             total, part = acc[:m], work[:m]
-            # The first chunk decodes straight into the sum: no zero fill, one add fewer.
-            self._decode(seg.recv[:w], m, total)
-            for r in range(1, size):
-                self._decode(seg.recv[r * w:(r + 1) * w], m, part)
-                np.add(total, part, out=total)
+            # The sum starts from this rank's own chunk in FP32 (the input is not yet
+            # overwritten: segment i is written back in finish(i)), then adds the others.
+            np.copyto(total, flat[seg.chunk(rank)])
+            for r in range(size):
+                if r != rank:
+                    self._decode(seg.recv[r * w:(r + 1) * w], m, part)
+                    np.add(total, part, out=total)
             if self.average:
                 np.multiply(total, np.float32(1.0 / size), out=total)
             self._encode(total, seg.mine, (self.key, "s", i))

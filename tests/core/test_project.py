@@ -30,7 +30,7 @@ def test_compressed_model_approaches_the_byte_ratio_when_codecs_are_free():
     assert fp32 / fp8 == pytest.approx(4.0 / (1 + 1 / segments), rel=1e-6)
     # codec work hides behind the wire until it is the longer of the two
     slow = project.compressed_seconds(link, n, 8, wire_ratio=0.25, enc_Bps=1e8, dec_Bps=1e8)
-    assert slow > fp8 and slow == pytest.approx((n * (1 + 1 / 8) / 1e8 + 2 * n / 1e8) * (1 + 1 / segments)
+    assert slow > fp8 and slow == pytest.approx((n / 1e8 + n * (2 - 1 / 8) / 1e8) * (1 + 1 / segments)
                                                  + fp8 / (1 + 1 / segments) / segments, rel=1e-6)
 
 
