@@ -101,8 +101,8 @@ class SStepGram:
         b_ = self.b
         self._full = (np.empty((1 + self.s * b_, 1 + self.s * b_), dtype=self.dtype)
                       if xp_ is np and self.s >= _FULL_FROM else None)
-        self._gemms = []
-        for j in range(self.s):
+        self._gemms = []  # per-step GEMMs, only where the full panel product is not used
+        for j in range(0 if self._full is not None else self.s):
             off = self.offset(j)
             out = self._local[off:off + b_ * (1 + j * b_)].reshape(b_, 1 + j * b_)
             self._gemms.append((self.panel[1 + j * b_:1 + (j + 1) * b_], self.panel[:1 + j * b_].T, out))
