@@ -1,26 +1,42 @@
 """Latency–bandwidth (α–β) cost model: calibrate on measurements, validate, project to many nodes.
 
-Model of one all-reduce of n bytes on P nodes, following MPICH's algorithms:
-recursive doubling up to 2 KiB (R = ⌈log2 P⌉ rounds, V = R·n bytes sent per
-rank), reduce-scatter + all-gather above (R = 2⌈log2 P⌉, V = 2(P−1)/P · n):
+Model of one FP32 all-reduce of n bytes on P nodes, following MPICH's own
+algorithm choice (its coll_selection.json): recursive doubling when the message
+is at most 8 bytes or has fewer elements than the largest power of two ≤ P
+(log2 P rounds of the whole message), otherwise reduce-scatter + all-gather
+(rounds of n/2, n/4, …, n/P and back; 2(P−1)/P · n bytes sent per rank).
+A non-power-of-two P adds two rounds of the whole message. Each round costs
 
-    T_fp32(n, P) = R·(α + α_s·f) + V·(β + β_s·f),   f = max(0, 1 − cores/P)
+    α        for a message of at most ``INJECT_BYTES`` (libfabric's tcp provider
+             sends it inline, with no completion to wait for),
+    α_large  for a longer one,
 
-f is the share of time a partner rank waits for a core when P ranks share
-``cores`` cores — the lab runs every emulated host on this machine; on a
-cluster (one rank per node) f = 0 and only α and β remain. The compressed
-all-reduce (wire ratio w, codec throughputs measured here) is pipelined:
+and the bytes cost β each. On a real link the two add up: T = L + V·β. The lab's
+token bucket (tbf) lets a message through at memory speed while it holds
+tokens, so a loop of small all-reduces never waits for bandwidth and a large
+one always does: on the lab T = max(L, V·β).
+
+When P ranks share ``cores`` cores (the lab: every emulated host runs on this
+machine) each rank waits for g = P/cores ranks per core to be scheduled, and the
+kernel's TCP work competes for the same cores, so
+
+    L → L · g^κ_α,   β → β · g^κ_β   (g = max(1, P/cores), κ fitted).
+
+A projection to a cluster (one rank per node, real links) drops g and the
+token bucket: ``LinkModel.alone``. The compressed all-reduce (wire ratio w,
+codec throughputs measured here) is pipelined:
 
     T_codec(n, P) = max(wire, cpu) + (wire + cpu)/segments,
-    wire = segments·(P−1+⌈log2 P⌉)·(α + α_s·f) + 2(P−1)/P · w·n·(β + β_s·f),
-    cpu  = (n/enc + n(2−1/P)/dec) · max(1, P/cores)
+    wire = segments·(P−1+⌈log2 P⌉)·α_large·g^κ_α + 2(P−1)/P · w·n·β·g^κ_β,
+    cpu  = (n/enc + n(2−1/P)/dec) · g
 
-α, β, α_s, β_s are fitted (non-negative least squares on relative error) to
-FP32 all-reduce times measured by ``commwire bench allreduce --json``; sizes
-or node counts left out of the fit are predicted and the error reported.
+α, α_large, β are fitted by least squares on relative error (non-negative) to
+FP32 all-reduce times measured by ``commwire bench allreduce --json``; κ_α, κ_β
+by a grid search around it. Sizes or node counts left out of the fit are
+predicted and the error reported.
 
 Run:
-    commwire bench project --calibrate lab2.json lab4.json --fit-sizes 16,4K,256K,16M \
+    commwire bench project --calibrate lab2.json lab4.json lab8.json --fit-sizes 16,4K,256K,16M \
         --validate lab2.json lab4.json lab8.json
     commwire bench project --nodes 2,16,256,1024 --bandwidth 100gbit --latency 5us --size 64M
 """
@@ -28,6 +44,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -36,72 +53,99 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "main"]
+__all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "validate_codec", "main",
+           "INJECT_BYTES"]
 
 
-SHORT_BYTES = 2048
-"""Up to this size MPICH all-reduces by recursive doubling (log2 P rounds of the whole
-message); above it by reduce-scatter + all-gather (2 log2 P rounds, 2(P-1)/P of it)."""
+INJECT_BYTES = 128
+"""Messages up to this size are sent inline by libfabric's tcp provider (its inject size)."""
+SHORT_BYTES = 8
+"""Up to this size MPICH always all-reduces by recursive doubling (coll_selection.json)."""
+_ELEM = 4  # bytes per element: the model is of float32 all-reduces
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkModel:
-    """Per-round latency α (s) and per-byte time β (s/B) of the network, plus core sharing.
+    """Per-round latencies α (s), per-byte time β (s/B), core sharing and the lab's token bucket.
 
-    When P ranks share ``cores`` cores (the lab: every emulated host runs on this
-    machine), a rank's partner is descheduled a fraction f = 1 - cores/P of the time,
-    and each round and each byte costs that much more: α + α_shared·f and
-    β + β_shared·f. On a real cluster (one rank per node) ``cores`` is None and f = 0.
+    ``alpha`` is a round with an inline message (≤ ``INJECT_BYTES``), ``alpha_large``
+    one with a longer message (None: the same as ``alpha``). With ``cores`` (the
+    cores P ranks share), latencies scale by g^latency_share and β by
+    g^bandwidth_share, g = max(1, P/cores). ``token_bucket``: the link is a tbf
+    shaper (the lab), so latency and transfer overlap, T = max(L, V·β).
     """
 
     alpha: float
     beta: float
-    alpha_shared: float = 0.0
-    beta_shared: float = 0.0
+    alpha_large: float | None = None
     cores: int | None = None
+    latency_share: float = 0.0
+    bandwidth_share: float = 0.0
+    token_bucket: bool = False
 
     def __post_init__(self) -> None:
-        if self.alpha < 0 or self.beta <= 0 or self.alpha_shared < 0 or self.beta_shared < 0:
-            raise ValueError(f"alpha={self.alpha}, alpha_shared={self.alpha_shared} and beta_shared="
-                             f"{self.beta_shared} must be >= 0 and beta={self.beta} > 0")
+        if self.alpha < 0 or self.beta <= 0 or (self.alpha_large is not None and self.alpha_large < 0):
+            raise ValueError(f"alpha={self.alpha} and alpha_large={self.alpha_large} must be >= 0 "
+                             f"and beta={self.beta} > 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores={self.cores!r}; use a positive int, or None for one rank per node")
+        if self.latency_share < 0 or self.bandwidth_share < 0:
+            raise ValueError(f"latency_share={self.latency_share} and bandwidth_share={self.bandwidth_share} "
+                             "must be >= 0")
 
-    def sharing(self, p: int) -> float:
-        """Return f = 1 - cores/P, the fraction of time a partner rank waits for a core (0 if not shared)."""
-        return max(0.0, 1.0 - self.cores / p) if self.cores else 0.0
+    def crowding(self, p: int) -> float:
+        """Return g = max(1, P/cores), ranks per core (1 when not shared)."""
+        return max(1.0, p / self.cores) if self.cores else 1.0
 
-    def round_s(self, p: int) -> float:
-        """Return the time of one message round on ``p`` ranks."""
-        return self.alpha + self.alpha_shared * self.sharing(p)
+    def round_s(self, p: int, message_bytes: float) -> float:
+        """Return the time of one round of ``message_bytes`` messages on ``p`` ranks (latency only)."""
+        large = self.alpha if self.alpha_large is None else self.alpha_large
+        base = self.alpha if message_bytes <= INJECT_BYTES else large
+        return base * self.crowding(p) ** self.latency_share
 
     def byte_s(self, p: int) -> float:
         """Return the time per byte on ``p`` ranks."""
-        return self.beta + self.beta_shared * self.sharing(p)
+        return self.beta * self.crowding(p) ** self.bandwidth_share
 
     def alone(self) -> LinkModel:
-        """Return the same network with one rank per node (no core sharing): what a cluster has."""
-        return LinkModel(alpha=self.alpha, beta=self.beta)
-
+        """Return the same network with one rank per node and real links: what a cluster has."""
+        return LinkModel(alpha=self.alpha, alpha_large=self.alpha_large, beta=self.beta)
 
 
 def _steps(p: int) -> int:
     return max(1, math.ceil(math.log2(p))) if p > 1 else 0
 
 
-def _terms(nbytes: float, p: int) -> tuple[float, float]:
-    """Return (rounds, bytes each rank sends) of MPICH's all-reduce of ``nbytes`` on ``p`` ranks."""
+def _rounds(nbytes: float, p: int) -> list[float]:
+    """Return the message size of each round of MPICH's all-reduce of ``nbytes`` (float32) on ``p`` ranks."""
     if p <= 1:
-        return 0.0, 0.0
-    if nbytes <= SHORT_BYTES:
-        return float(_steps(p)), _steps(p) * nbytes
-    return 2.0 * _steps(p), 2 * (p - 1) / p * nbytes
+        return []
+    pof2 = 1 << int(math.floor(math.log2(p)))
+    steps = int(math.log2(pof2))
+    if nbytes <= SHORT_BYTES or nbytes // _ELEM < pof2:
+        msgs = [float(nbytes)] * steps
+    else:
+        half = [nbytes / 2**k for k in range(1, steps + 1)]
+        msgs = half + half[::-1]
+    if pof2 != p:  # the ranks beyond pof2 hand their data to a partner first and get the result last
+        msgs = [float(nbytes)] + msgs + [float(nbytes)]
+    return msgs
+
+
+def _terms(nbytes: float, p: int) -> tuple[int, int, float]:
+    """Return (inline rounds, longer rounds, bytes each rank sends) of the all-reduce."""
+    msgs = _rounds(nbytes, p)
+    return sum(m <= INJECT_BYTES for m in msgs), sum(m > INJECT_BYTES for m in msgs), float(sum(msgs))
+
+
+def _combine(m: LinkModel, latency: float, transfer: float) -> float:
+    return max(latency, transfer) if m.token_bucket else latency + transfer
 
 
 def allreduce_seconds(m: LinkModel, nbytes: float, p: int) -> float:
     """Return the modelled FP32 all-reduce time of ``nbytes`` on ``p`` nodes."""
-    rounds, volume = _terms(nbytes, p)
-    return rounds * m.round_s(p) + volume * m.byte_s(p)
+    latency = sum(m.round_s(p, b) for b in _rounds(nbytes, p))
+    return _combine(m, latency, _terms(nbytes, p)[2] * m.byte_s(p))
 
 
 PIPELINE_BYTES = 4 << 20
@@ -115,58 +159,143 @@ def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float
     Per rank: encode n bytes of FP32 (the others' chunks, then its reduced one), decode
     n(2 - 1/P); the wire carries 2(P-1)/P · w·n.
     Segments overlap codec work with the wire, so the time is the larger of the two plus
-    one segment of each (pipeline fill and drain). Codec work slows by P/cores when
+    one segment of each (pipeline fill and drain). Codec work slows by g = P/cores when
     ranks share cores.
     """
     cpu = nbytes / enc_Bps + nbytes * (2 - 1 / p) / dec_Bps
     if p <= 1:
         return nbytes / enc_Bps + nbytes / dec_Bps
-    if m.cores:
-        cpu *= max(1.0, p / m.cores)
+    cpu *= m.crowding(p)
     segments = max(1, math.ceil(nbytes / PIPELINE_BYTES))
-    wire = (segments * (p - 1 + _steps(p)) * m.round_s(p)
-            + 2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
+    chunk = wire_ratio * min(nbytes, PIPELINE_BYTES) / p
+    wire = _combine(m, segments * (p - 1 + _steps(p)) * m.round_s(p, chunk),
+                    2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
     return max(wire, cpu) + (wire + cpu) / segments
 
 
-def fit(samples: list[tuple[int, float, float]], cores: int | None = None) -> LinkModel:
+def _nonneg_lstsq(a: np.ndarray) -> np.ndarray:
+    """Solve min |a·x - 1| with x >= 0 (drop the negative terms and refit)."""
+    x = np.zeros(a.shape[1])
+    active = [i for i in range(a.shape[1]) if np.any(a[:, i] > 0)]
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], np.ones(a.shape[0]), rcond=None)
+        if np.all(sol >= 0):
+            x[active] = sol
+            break
+        active = [i for i, v in zip(active, sol) if v >= 0]
+    return x
+
+
+def _fit_fixed(samples: list[tuple[int, float, float]], proto: LinkModel) -> LinkModel | None:
+    """Fit α, α_large, β with the sharing exponents of ``proto`` fixed.
+
+    Linear in the three coefficients, except that a token bucket takes the larger of
+    latency and transfer: each sample is assigned to the term that dominates it,
+    both sides fitted, and the assignment repeated until it settles.
+    """
+    terms = []
+    for p, n, t in samples:
+        r1, r2, v = _terms(n, p)
+        ls = proto.crowding(p) ** proto.latency_share
+        bs = proto.crowding(p) ** proto.bandwidth_share
+        terms.append((np.array([r1 * ls / t, r2 * ls / t]), v * bs / t))
+    side: list[str | None] = [None] * len(terms)  # None: both terms add (no bucket)
+    if proto.token_bucket:  # start: the half with the most bytes per round is bandwidth-bound
+        per_round = [b / max(lat.sum(), 1e-300) for lat, b in terms]
+        cut = float(np.median(per_round))
+        side = ["bytes" if r > cut else "latency" for r in per_round]
+    for _ in range(30):
+        if proto.token_bucket:
+            lat_rows = [lat for (lat, _), s in zip(terms, side) if s == "latency"]
+            byte_rows = [[b] for (_, b), s in zip(terms, side) if s == "bytes"]
+            alphas = _nonneg_lstsq(np.array(lat_rows)) if lat_rows else np.zeros(2)
+            beta = float(_nonneg_lstsq(np.array(byte_rows))[0]) if byte_rows else 0.0
+        else:
+            coef = _nonneg_lstsq(np.array([[*lat, b] for lat, b in terms]))
+            alphas, beta = coef[:2], float(coef[2])
+        if beta <= 0:
+            return None
+        if not proto.token_bucket:
+            break
+        new = ["latency" if float(lat @ alphas) >= b * beta else "bytes" for lat, b in terms]
+        if new == side:
+            break
+        side = new
+    a1, a2 = float(alphas[0]), float(alphas[1])
+    if a1 == 0.0 and a2 > 0:
+        a1 = a2  # no inline round in the samples: assume the same latency
+    return dataclasses.replace(proto, alpha=a1, alpha_large=a2 if a2 > 0 else None, beta=beta)
+
+
+def _rms_error(m: LinkModel, samples: list[tuple[int, float, float]]) -> float:
+    return float(np.sqrt(np.mean([(allreduce_seconds(m, n, p) / t - 1) ** 2 for p, n, t in samples])))
+
+
+def fit(samples: list[tuple[int, float, float]], cores: int | None = None,
+        token_bucket: bool = False) -> LinkModel:
     """Fit the model to (nodes, bytes, seconds) samples, minimising relative error.
 
-    With ``cores`` (the cores the measured ranks shared), the core-sharing terms are
-    fitted too when the samples include node counts above it; coefficients are kept
-    non-negative (a negative one is dropped and the rest refitted).
+    With ``cores`` (the cores the measured ranks shared), the sharing exponents are
+    searched too when the samples include node counts above it. ``token_bucket``:
+    the samples come from the lab's tbf-shaped links.
     """
-    probe = LinkModel(alpha=0.0, beta=1.0, cores=cores)
-    rows = []
-    for p, n, t in samples:
-        if p > 1 and t > 0:
-            r, v = _terms(n, p)
-            f = probe.sharing(p)
-            rows.append(([r, r * f, v, v * f], t))
-    if len(rows) < 2:
-        raise ValueError(f"need at least 2 samples on more than one node to fit, got {len(rows)}")
-    a = np.array([[c / t for c in cols] for cols, t in rows])
-    active = [i for i in range(4) if np.any(a[:, i] > 0)]
-    coef = np.zeros(4)
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], np.ones(len(rows)), rcond=None)
-        if np.all(sol >= 0):
-            coef[active] = sol
-            break
-        active = [i for i, v in zip(active, sol) if v >= 0]  # drop the negative terms, refit the rest
-    if coef[2] <= 0:
+    samples = [(p, n, t) for p, n, t in samples if p > 1 and t > 0]
+    if len(samples) < 2:
+        raise ValueError(f"need at least 2 samples on more than one node to fit, got {len(samples)}")
+    shared = cores is not None and any(p > cores for p, _, _ in samples)
+    grid_a = np.round(np.arange(0.0, 2.001, 0.05), 2) if shared else [0.0]
+    grid_b = np.round(np.arange(0.0, 1.001, 0.05), 2) if shared else [0.0]
+    best: tuple[float, LinkModel] | None = None
+    for ka in grid_a:
+        for kb in grid_b:
+            proto = LinkModel(alpha=0.0, beta=1.0, cores=cores, latency_share=float(ka),
+                              bandwidth_share=float(kb), token_bucket=token_bucket)
+            m = _fit_fixed(samples, proto)
+            if m is not None:
+                err = _rms_error(m, samples)
+                if best is None or err < best[0] - 1e-12:
+                    best = (err, m)
+    if best is None:
         raise ValueError("the samples do not determine a bandwidth; include messages of a few MB")
-    return LinkModel(alpha=float(coef[0]), alpha_shared=float(coef[1]), beta=float(coef[2]),
-                     beta_shared=float(coef[3]), cores=cores)
+    return best[1]
 
 
 def _load(paths: list[str]) -> list[tuple[int, float, float]]:
+    """Return the FP32 all-reduce samples (nodes, bytes, seconds) of ``bench allreduce --json`` files."""
     samples = []
     for path in paths:
         with open(path, encoding="utf-8") as fh:
             rows = json.load(fh)
-        samples += [(int(r["ranks"]), float(r["bytes"]), float(r["raw_us"]) * 1e-6) for r in rows]
+        samples += [(int(r["ranks"]), float(r["bytes"]), float(r["raw_us"]) * 1e-6) for r in rows
+                    if not r.get("codec")]
     return samples
+
+
+def _load_codec(paths: list[str]) -> list[dict[str, Any]]:
+    """Return the compressed rows (``bench allreduce --codec ... --json``): nodes, bytes, codec, both times."""
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            out += [{"nodes": int(r["ranks"]), "bytes": float(r["bytes"]), "codec": r["codec"],
+                     "fp32_s": float(r["raw_us"]) * 1e-6, "codec_s": float(r["commwire_us"]) * 1e-6}
+                    for r in json.load(fh) if r.get("codec")]
+    return out
+
+
+def validate_codec(m: LinkModel, rows: list[dict[str, Any]],
+                   rates: dict[str, tuple[float, float, float]]) -> list[dict[str, Any]]:
+    """Return measured vs predicted compressed all-reduce time and speedup over FP32 for each row.
+
+    ``rates`` maps a codec spec to (encode B/s, decode B/s, wire ratio), as ``_codec_rates`` measures.
+    """
+    out = []
+    for r in rows:
+        enc, dec, ratio = rates[r["codec"]]
+        pred = compressed_seconds(m, r["bytes"], r["nodes"], wire_ratio=ratio, enc_Bps=enc, dec_Bps=dec)
+        pred32 = allreduce_seconds(m, r["bytes"], r["nodes"])
+        out.append({**r, "predicted_s": pred, "error": pred / r["codec_s"] - 1,
+                    "speedup": r["fp32_s"] / r["codec_s"], "predicted_speedup": pred32 / pred})
+    return out
 
 
 def validate(m: LinkModel, samples: list[tuple[int, float, float]],
@@ -227,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the others are held out and predicted")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                         help="cores the measured ranks shared (default: this machine's; 0: one rank per node)")
+    parser.add_argument("--shaper", choices=("tbf", "none"), default="tbf",
+                        help="how the calibration runs' links were limited: tbf (commwire lab, the default) "
+                             "or none (loopback, a real network)")
     parser.add_argument("--nodes", default="2,4,8,16,64,256,1024", help="node counts to project to")
     parser.add_argument("--bandwidth", help="link bandwidth (e.g. 100gbit); default: the fitted β")
     parser.add_argument("--latency", help="per-message latency (e.g. 5us); default: the fitted α")
@@ -243,11 +375,13 @@ def main(argv: list[str] | None = None) -> int:
             keep = {parse_size(v) for v in args.fit_sizes.split(",") if v.strip()}
             samples = [smp for smp in samples if smp[1] in keep]
         fitted = {(p, n) for p, n, _ in samples}
-        model = fit(samples, cores=args.cores or None)
-        print(f"fitted on {len(samples)} samples of {', '.join(args.calibrate)}: α = {model.alpha * 1e6:.1f} µs, "
-              f"β = {model.beta * 1e9:.3f} ns/B ({8 / model.beta / 1e9:.2f} Gbit/s); core sharing "
-              f"({model.cores or 'none'} cores): +{model.alpha_shared * 1e6:.1f} µs and "
-              f"+{model.beta_shared * 1e9:.3f} ns/B times f = 1 - cores/P")
+        model = fit(samples, cores=args.cores or None, token_bucket=args.shaper == "tbf")
+        large = model.alpha if model.alpha_large is None else model.alpha_large
+        print(f"fitted on {len(samples)} samples of {', '.join(args.calibrate)}: α = {model.alpha * 1e6:.1f} µs "
+              f"(≤ {INJECT_BYTES} B), α_large = {large * 1e6:.1f} µs, β = {model.beta * 1e9:.3f} ns/B "
+              f"({8 / model.beta / 1e9:.2f} Gbit/s); core sharing ({model.cores or 'none'} cores): "
+              f"latency × g^{model.latency_share:.2f}, β × g^{model.bandwidth_share:.2f}, g = P/cores; "
+              f"links {'tbf-shaped: max(latency, transfer)' if model.token_bucket else 'latency + transfer'}")
     if args.validate:
         if model is None:
             raise SystemExit("--validate needs --calibrate files to fit the model first")
@@ -261,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
             if held:
                 print(f"{p} nodes: max |error| of {len(held)} held-out sizes {max(held):.0%}, "
                       f"mean {sum(held) / len(held):.0%}")
+    codec_rows = _load_codec(args.validate) if args.validate else []
+    if codec_rows and model is not None:
+        specs_seen = sorted({r["codec"] for r in codec_rows})
+        measured_rates = {spec: _codec_rates(spec) for spec in specs_seen}
+        print("\ncompressed all-reduce (codec throughput measured here, one process):")
+        print("| nodes | size | codec | measured ms | predicted ms | error | speedup measured | predicted |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for r in validate_codec(model, codec_rows, measured_rates):
+            print(f"| {r['nodes']} | {r['bytes']:.0f} B | {r['codec']} | {r['codec_s'] * 1e3:.2f} | "
+                  f"{r['predicted_s'] * 1e3:.2f} | {r['error']:+.0%} | {r['speedup']:.2f}x | "
+                  f"{r['predicted_speedup']:.2f}x |")
     if model is not None:
         model = model.alone()  # a cluster: one rank per node
     alpha = _parse_latency(args.latency) if args.latency else (model.alpha if model else None)
@@ -269,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.validate:
             raise SystemExit("give --calibrate files, or both --bandwidth and --latency, to project")
         return 0
-    link = LinkModel(alpha=alpha, beta=beta)
+    large = alpha if args.latency or model is None else model.alpha_large
+    link = LinkModel(alpha=alpha, alpha_large=large, beta=beta)
     nbytes = parse_size(args.size)
     specs = [c for c in args.codecs.split(",") if c]
     rates = {spec: _codec_rates(spec) for spec in specs}

@@ -8,10 +8,11 @@ from commwire.bench import project
 
 
 def test_fit_recovers_alpha_and_beta_and_validates_exactly(tmp_path):
-    truth = project.LinkModel(alpha=20e-6, beta=8e-9)
+    truth = project.LinkModel(alpha=20e-6, alpha_large=45e-6, beta=8e-9)
     samples = [(p, n, project.allreduce_seconds(truth, n, p)) for p in (2, 4, 8) for n in (16, 4096, 1 << 20, 1 << 24)]
     fitted = project.fit(samples[:4])  # two nodes only
     assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert fitted.alpha_large == pytest.approx(truth.alpha_large, rel=1e-6)
     assert fitted.beta == pytest.approx(truth.beta, rel=1e-6)
     assert max(abs(r["error"]) for r in project.validate(fitted, samples)) < 1e-6
     path = tmp_path / "cal.json"
@@ -19,6 +20,22 @@ def test_fit_recovers_alpha_and_beta_and_validates_exactly(tmp_path):
     loaded = project._load([str(path)])
     assert [(p, n) for p, n, _ in loaded] == [(p, n) for p, n, _ in samples]
     assert [t for *_, t in loaded] == pytest.approx([t for *_, t in samples])
+
+
+def test_rounds_follow_mpich_algorithm_choice():
+    # recursive doubling up to 8 bytes, or when there are fewer elements than the power of two
+    assert project._rounds(8, 4) == [8.0, 8.0]
+    assert project._terms(16, 8) == (3, 0, 48.0)  # 4 floats < 8 ranks
+    # reduce-scatter + all-gather otherwise: n/2, n/4, ... and back; 2(P-1)/P of n in all
+    assert project._rounds(16, 4) == [8.0, 4.0, 4.0, 8.0]
+    n = 1 << 20
+    inline, longer, volume = project._terms(n, 8)
+    assert (inline, longer) == (0, 6) and volume == pytest.approx(2 * 7 / 8 * n)
+    # a non-power-of-two count adds a round of the whole message at each end
+    assert project._rounds(n, 6) == [n, n / 2, n / 4, n / 4, n / 2, n]
+    # messages up to INJECT_BYTES cost alpha, longer ones alpha_large
+    m = project.LinkModel(alpha=1e-6, alpha_large=3e-6, beta=1e-9)
+    assert m.round_s(2, project.INJECT_BYTES) == 1e-6 and m.round_s(2, project.INJECT_BYTES + 1) == 3e-6
 
 
 def test_compressed_model_approaches_the_byte_ratio_when_codecs_are_free():
@@ -34,22 +51,29 @@ def test_compressed_model_approaches_the_byte_ratio_when_codecs_are_free():
                                                  + fp8 / (1 + 1 / segments) / segments, rel=1e-6)
 
 
-def test_core_sharing_terms_are_recovered_and_dropped_for_a_cluster():
-    truth = project.LinkModel(alpha=15e-6, beta=8e-9, alpha_shared=50e-6, beta_shared=2e-9, cores=2)
-    assert truth.sharing(2) == 0.0 and truth.sharing(8) == pytest.approx(0.75)
-    samples = [(p, n, project.allreduce_seconds(truth, n, p)) for p in (2, 4) for n in (16, 1024, 1 << 16, 1 << 24)]
-    fitted = project.fit(samples, cores=2)
-    for name in ("alpha", "beta", "alpha_shared", "beta_shared"):
+def test_core_sharing_and_token_bucket_are_recovered_and_dropped_for_a_cluster():
+    truth = project.LinkModel(alpha=12e-6, alpha_large=25e-6, beta=8.5e-9, cores=2, latency_share=1.1,
+                              bandwidth_share=0.2, token_bucket=True)
+    assert truth.crowding(2) == 1.0 and truth.crowding(8) == 4.0
+    sizes = (16, 256, 1024, 4096, 1 << 16, 1 << 20, 1 << 24)
+    samples = [(p, n, project.allreduce_seconds(truth, n, p)) for p in (2, 4) for n in sizes]
+    fitted = project.fit(samples, cores=2, token_bucket=True)
+    for name in ("alpha", "alpha_large", "beta", "latency_share", "bandwidth_share"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     # predicts a node count it never saw
-    assert project.allreduce_seconds(fitted, 1 << 20, 8) == pytest.approx(project.allreduce_seconds(truth, 1 << 20, 8))
-    # without the cores the sharing terms cannot be fitted and are dropped; a cluster has none
-    assert project.fit(samples).alpha_shared == 0.0
+    for n in sizes:
+        assert project.allreduce_seconds(fitted, n, 8) == pytest.approx(project.allreduce_seconds(truth, n, 8))
+    # the bucket overlaps latency and transfer; a real link adds them
+    n = 1 << 14
+    lat = sum(truth.round_s(4, b) for b in project._rounds(n, 4))
+    xfer = project._terms(n, 4)[2] * truth.byte_s(4)
+    assert project.allreduce_seconds(truth, n, 4) == pytest.approx(max(lat, xfer))
     alone = fitted.alone()
-    assert alone.sharing(1024) == 0.0 and alone.alpha == fitted.alpha and alone.beta_shared == 0.0
-    # recursive doubling below 2 KiB: log2 P rounds; reduce-scatter + all-gather above: 2 log2 P
-    assert project._terms(16, 8) == (3.0, 48.0)
-    assert project._terms(1 << 20, 8) == (6.0, 2 * 7 / 8 * (1 << 20))
+    assert alone.crowding(1024) == 1.0 and not alone.token_bucket and alone.alpha == fitted.alpha
+    assert project.allreduce_seconds(alone, n, 2) == pytest.approx(
+        sum(alone.round_s(2, b) for b in project._rounds(n, 2)) + project._terms(n, 2)[2] * alone.beta)
+    # without the cores the sharing exponents cannot be fitted and stay 0
+    assert project.fit(samples, token_bucket=True).latency_share == 0.0
 
 
 def test_bad_input_is_refused():
@@ -59,6 +83,8 @@ def test_bad_input_is_refused():
         project._parse_latency("fast")
     with pytest.raises(ValueError, match="beta"):
         project.LinkModel(alpha=1e-6, beta=0.0)
+    with pytest.raises(ValueError, match="latency_share"):
+        project.LinkModel(alpha=1e-6, beta=1e-9, latency_share=-1.0)
     with pytest.raises(ValueError, match="cores=0"):
         project.LinkModel(alpha=1e-6, beta=1e-9, cores=0)
 
@@ -68,3 +94,19 @@ def test_projection_prints_a_row_per_node_count(capsys):
                          "--codecs", "fp8-e4m3"]) == 0
     out = capsys.readouterr().out
     assert "| 2 |" in out and "| 1024 |" in out and "fp8-e4m3 speedup" in out
+
+
+def test_codec_rows_are_validated_as_times_and_speedups(tmp_path):
+    link = project.LinkModel(alpha=20e-6, alpha_large=40e-6, beta=8e-9, cores=2, latency_share=1.0,
+                             bandwidth_share=0.2, token_bucket=True)
+    rates = {"fp8-e4m3": (2e9, 4e9, 0.25)}
+    n = 64 << 20
+    t32 = project.allreduce_seconds(link, n, 4)
+    t8 = project.compressed_seconds(link, n, 4, wire_ratio=0.25, enc_Bps=2e9, dec_Bps=4e9)
+    path = tmp_path / "codec.json"
+    path.write_text(json.dumps([{"ranks": 4, "bytes": n, "codec": "fp8-e4m3", "raw_us": t32 * 1e6,
+                                 "commwire_us": t8 * 1.25e6}]))
+    assert project._load([str(path)]) == []  # compressed rows are not FP32 samples
+    (row,) = project.validate_codec(link, project._load_codec([str(path)]), rates)
+    assert row["error"] == pytest.approx(1 / 1.25 - 1)
+    assert row["predicted_speedup"] == pytest.approx(t32 / t8) and row["speedup"] == pytest.approx(t32 / t8 / 1.25)
