@@ -32,9 +32,17 @@ def kind_of(x: Any) -> str:
     )
 
 
+_dtype_names: dict[Any, str] = {}
+
+
 def dtype_name(x: Any) -> str:
     """Return the element type's short name (``"float32"``, ``"bfloat16"``, ``"int64"``)."""
-    return str(x.dtype).replace("torch.", "")
+    # str() of a dtype takes microseconds, as long as a small codec kernel: cache it per dtype.
+    dtype = x.dtype
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def check_float(x: Any, spec: str) -> None:

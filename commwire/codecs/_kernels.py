@@ -13,6 +13,18 @@ Why this shape:
   on (stream, global element index), so the result is identical for any thread
   count.
 - Decoding reads a 256-entry table (``FloatFormat.lut``) per code.
+- NVFP4 has a faster path for round to nearest (the default): with exactly one
+  16-element block per AVX-512 vector, each pass runs over whole blocks on
+  scratch that stays in cache, and its integer steps are cast back to int32
+  after every operation (numba widens int32 arithmetic to int64, which halves
+  the vector lanes). The E4M3 and E2M1 constants are compile-time globals, and
+  format values are computed rather than looked up (a gather per element does
+  not vectorise well). Results are bit-identical to the generic kernels.
+- ``*_add`` variants add the decoded values to the output (a reduction) without
+  a temporary vector: NVFP4 in one pass; the table decoders (FP8, fp16/bf16)
+  decode a tile into L1-resident scratch and add it, because their lookups stay
+  scalar and a fused loop ran slower. ``out[i] + value`` rounds exactly like a
+  decode into a temporary followed by an add.
 
 The format constants come from ``FloatFormat.kernel_params`` so one kernel
 serves every format. Stochastic rounding rounds up with probability
@@ -23,16 +35,22 @@ Thread count: ``commwire.codecs.set_threads`` (see ``_threads``).
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from numba import njit, prange
 
 from ._threads import get_threads
+from .formats import get_format
 
 _CHUNK = 1 << 14  # elements per parallel task: 64 KiB of float32, stays in L2
+_ADD_TILE = 1 << 10  # elements decoded into L1-resident scratch before an add
 _M32 = 0xFFFFFFFF
 _INF_BITS = 0x7F800000
 _ABS_MASK = 0x7FFFFFFF
+_I = np.int32
+_U = np.uint64
 
 
 def _jit(**options):
@@ -51,6 +69,20 @@ def _use_threads() -> None:
     numba.set_num_threads(min(get_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
+def _parallel(n: int) -> bool:
+    """Return True (after setting numba's thread count) when ``n`` elements should use several threads.
+
+    One thread, or a single chunk of work, runs a serial driver instead: the
+    result is the same (chunks are fixed-size), without a parallel launch.
+    """
+    threads = min(get_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads < 2 or n <= _CHUNK:
+        return False
+    numba.set_num_threads(threads)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def _typed(params: tuple) -> tuple:
     # int32 constants keep the vector lanes 32 bits wide (twice the lanes of int64).
     return tuple(v if isinstance(v, np.floating) else np.int32(v) for v in params)
@@ -119,6 +151,38 @@ def _code_sr(y, p, r):
     return c | sign
 
 
+@njit(inline="always")
+def _code_rne32(y, p, inf_is_max):
+    """Return ``_code_rne(y, p)``, computed in int32 lanes.
+
+    Numba widens int32 arithmetic to int64; casting back after every step lets
+    LLVM keep 16 lanes per AVX-512 vector. Pass ``p`` as a global tuple so that
+    its shifts and masks are constants. ``inf_is_max=True`` skips the Inf test,
+    valid where the format's Inf code is its largest code (E2M1: Inf saturates
+    to ±6 anyway).
+    """
+    shift, rebias, minnorm, magic, magic_bits, max_bits, nan_code, inf_code, sign_shift, _m, _e = p
+    b = _bits(y)
+    a = _I(b & _I(_ABS_MASK))
+    am = _I(min(a, max_bits))
+    c_sub = _I(_bits(_flt(am) + magic) - magic_bits)
+    half = _I(_I(_I(1) << _I(shift - _I(1))) - _I(1))
+    c_nor = _I(_I(_I(am - _I(rebias - half)) + _I(_I(am >> shift) & _I(1))) >> shift)
+    c = c_sub if am < minnorm else c_nor
+    if not inf_is_max:
+        c = inf_code if a == _I(_INF_BITS) else c
+    c = nan_code if a > _I(_INF_BITS) else c
+    return _I(c | _I(_I(b >> _I(_I(31) - sign_shift)) & _I(_I(1) << sign_shift)))
+
+
+@njit(inline="always")
+def _value(mag, p, min_subnormal):
+    """Return the float32 value of the non-negative finite code ``mag`` of the format of ``p``."""
+    shift, rebias, _mn, _mg, _mb, _x, _n, _i, _s, man_bits, _e = p
+    normal = _flt(_I(_I(mag << shift) + rebias))
+    return normal if mag >= _I(_I(1) << man_bits) else np.float32(mag) * min_subnormal
+
+
 # ---- slice kernels (vectorised inner loops) ----------------------------------
 
 
@@ -162,9 +226,37 @@ def _dec_slice(codes, lut, scale, out):
 
 
 @_jit()
+def _add_into(out, part):
+    for i in range(part.size):
+        out[_U(i)] = out[_U(i)] + part[_U(i)]
+
+
+@_jit()
+def _dec_range(codes, scales, block, lut, lo, hi, part):
+    """Decode elements lo..hi-1 (blocks of ``block`` elements from element 0) into ``part``."""
+    b = lo // block
+    i = lo
+    while i < hi:
+        j = min((b + 1) * block, hi)
+        _dec_slice(codes[i:j], lut, scales[b], part[i - lo : j - lo])
+        i = j
+        b += 1
+
+
+@_jit()
 def _dec16_slice(buf, lut, out):
     for i in range(out.size):
         out[i] = lut[np.int32(buf[2 * i]) | (np.int32(buf[2 * i + 1]) << 8)]
+
+
+@_jit()
+def _dec16_add_slice(buf, lut, out, tmp):
+    n = out.size
+    for lo in range(0, n, tmp.size):
+        hi = min(lo + tmp.size, n)
+        part = tmp[: hi - lo]
+        _dec16_slice(buf[2 * lo : 2 * hi], lut, part)
+        _add_into(out[lo:hi], part)
 
 
 # ---- parallel drivers ---------------------------------------------------------
@@ -182,6 +274,11 @@ def _amax(x):
     for c in range(nch):
         m = max(m, res[c])
     return _flt(m)
+
+
+@_jit()
+def _amax_serial(x):
+    return _flt(_amax_slice(x.view(np.int32))[0])
 
 
 @_jit(parallel=True)
@@ -218,16 +315,25 @@ def _fp8_blocks(x, out, scales, block, p, max_finite, floor, sr, stream):
 
 
 @_jit(parallel=True)
-def _dec_blocks(codes, scales, block, lut, out):
+def _dec_blocks(codes, scales, block, lut, out, add):
     n = out.size
     nb = scales.size
     per = max(1, _CHUNK // block)
     ntask = (nb + per - 1) // per
     for t in prange(ntask):
-        for b in range(t * per, min(t * per + per, nb)):
-            lo = b * block
-            hi = min(lo + block, n)
-            _dec_slice(codes[lo:hi], lut, scales[b], out[lo:hi])
+        if add:
+            # Decode a tile into L1-resident scratch, then add it: the table lookups are
+            # scalar either way, and the separate add loop vectorises (one fused loop does not).
+            tmp = np.empty(_ADD_TILE, np.float32)
+            for lo in range(t * per * block, min((t * per + per) * block, n), _ADD_TILE):
+                hi = min(lo + _ADD_TILE, n, (t * per + per) * block)
+                _dec_range(codes, scales, block, lut, lo, hi, tmp)
+                _add_into(out[lo:hi], tmp[: hi - lo])
+        else:
+            for b in range(t * per, min(t * per + per, nb)):
+                lo = b * block
+                hi = min(lo + block, n)
+                _dec_slice(codes[lo:hi], lut, scales[b], out[lo:hi])
 
 
 @_jit(parallel=True)
@@ -241,16 +347,20 @@ def _enc16(x, out, p):
 
 
 @_jit(parallel=True)
-def _dec16(buf, lut, out):
+def _dec16(buf, lut, out, add):
     n = out.size
     nch = (n + _CHUNK - 1) // _CHUNK
     for c in prange(nch):
         lo = c * _CHUNK
         hi = min(lo + _CHUNK, n)
-        _dec16_slice(buf[2 * lo : 2 * hi], lut, out[lo:hi])
+        if add:
+            tmp = np.empty(_ADD_TILE, np.float32)
+            _dec16_add_slice(buf[2 * lo : 2 * hi], lut, out[lo:hi], tmp)
+        else:
+            _dec16_slice(buf[2 * lo : 2 * hi], lut, out[lo:hi])
 
 
-# ---- NVFP4 -------------------------------------------------------------------
+# ---- NVFP4: generic path (stochastic rounding, other formats) -----------------
 
 
 @_jit()
@@ -385,13 +495,226 @@ def _nvfp4_decode(packed, scodes, sg, lut8, lut4, out):
         _nvfp4_dec_slice(packed[lo // 2 : (hi + 1) // 2], scodes[lo // 16 : (hi + 15) // 16], sg, lut8, lut4, out[lo:hi])
 
 
+# ---- NVFP4: round-to-nearest path for E4M3 scales and E2M1 codes --------------
+#
+# Per chunk, three vectorised passes over whole 16-element blocks:
+#   1. max |x| bits of every 4 elements (a stride-4 maximum vectorises with shuffles);
+#   2. per block: the maximum of its 4 partial maxima, the E4M3 scale code and 1/scale;
+#   3. per block: 16 E2M1 codes of x * (1/scale), one AVX-512 vector, then 2 codes a byte.
+# Decoding expands the nibbles to one byte each, then scales whole blocks.
+
+_E4M3 = _typed(get_format("e4m3").kernel_params())
+_E2M1 = _typed(get_format("e2m1").kernel_params())
+_E4M3_SUB = np.float32(get_format("e4m3").min_subnormal)
+_E2M1_SUB = np.float32(get_format("e2m1").min_subnormal)
+_E4M3_INF_IS_MAX = bool(_E4M3[7] == get_format("e4m3").max_code)  # False: Inf encodes as the NaN code
+_E2M1_INF_IS_MAX = bool(_E2M1[7] == get_format("e2m1").max_code)  # True: Inf saturates to ±6
+_E4M3_LUT = get_format("e4m3").lut()
+_E2M1_LUT = get_format("e2m1").lut()
+
+
+@njit(inline="always")
+def _e2m1_value(code):
+    """Return the float32 value of an E2M1 code (0..15), the same as its table entry."""
+    mag = _I(code & _I(7))
+    v = _value(mag, _E2M1, _E2M1_SUB)
+    return -v if code >= _I(8) else v
+
+
+@_jit()
+def _absmax4(u, h):
+    """Write max |x| bits of each 4 consecutive elements of the int32 view ``u`` into ``h``."""
+    m = _I(_ABS_MASK)
+    for j in range(h.size):
+        i = _U(j) * _U(4)
+        h[_U(j)] = max(max(_I(u[i] & m), _I(u[i + _U(1)] & m)), max(_I(u[i + _U(2)] & m), _I(u[i + _U(3)] & m)))
+
+
+@_jit()
+def _nvfp4_scales_rne(h, scodes, inv, sg):
+    """Turn 4 partial maxima per block into E4M3 scale codes and 1/scale (as ``_nvfp4_scales``)."""
+    nan_code = _I(_E4M3[6])
+    for b in range(inv.size):
+        i = _U(b) * _U(4)
+        m = max(max(h[i], h[i + _U(1)]), max(h[i + _U(2)], h[i + _U(3)]))
+        sb = (_flt(m) / np.float32(6.0)) / sg
+        code = _code_rne32(sb, _E4M3, _E4M3_INF_IS_MAX)
+        # Guard: a scale that underflows E4M3 would zero a non-zero block.
+        code = _I(1) if (code == _I(0)) & (m > _I(0)) else code
+        # E2M1 has no NaN/Inf: a non-finite block gets the E4M3 NaN scale instead.
+        code = nan_code if m >= _I(_INF_BITS) else code
+        # The scale's value, computed rather than read from lut8 (a gather): the same float32,
+        # and NaN for the NaN code, whose 1/scale becomes 0 below as in _nvfp4_scales.
+        mag = _I(code & _I(0x7F))
+        v = np.float32(np.nan) if mag == nan_code else _value(mag, _E4M3, _E4M3_SUB)
+        d = (-v if code >= _I(0x80) else v) * sg
+        scodes[_U(b)] = np.uint8(code)
+        inv[_U(b)] = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
+
+
+@_jit()
+def _e2m1_codes(x, codes, inv):
+    """Write one E2M1 code per byte for x * inv[block]."""
+    for b in range(inv.size):
+        base = _U(b) * _U(16)
+        s = inv[_U(b)]
+        for k in range(16):
+            i = base + _U(k)
+            codes[i] = np.uint8(_code_rne32(x[i] * s, _E2M1, _E2M1_INF_IS_MAX))
+
+
+@_jit()
+def _nvfp4_rne_blocks(x, packed, scodes, sg, h, inv, codes):
+    """Encode whole blocks (``x.size == 16 * scodes.size``) using the scratch ``h``, ``inv``, ``codes``."""
+    nb = scodes.size
+    _absmax4(x.view(np.int32), h[: nb * 4])
+    _nvfp4_scales_rne(h[: nb * 4], scodes, inv[:nb], sg)
+    _e2m1_codes(x, codes[: nb * 16], inv[:nb])
+    _pack_nibbles(codes[: nb * 16], packed)
+
+
+@_jit()
+def _nvfp4_rne_chunk(x, packed, scodes, sg, h, inv, codes):
+    n = x.size
+    nfull = n // 16
+    _nvfp4_rne_blocks(x[: nfull * 16], packed[: nfull * 8], scodes[:nfull], sg, h, inv, codes)
+    if nfull < scodes.size:  # a partial last block: zeros encode as +0 and leave the block maximum alone
+        t = np.zeros(16, np.float32)
+        t[: n - nfull * 16] = x[nfull * 16 :]
+        tp = np.empty(8, np.uint8)
+        _nvfp4_rne_blocks(t, tp, scodes[nfull:], sg, h, inv, codes)
+        packed[nfull * 8 :] = tp[: packed.size - nfull * 8]
+
+
+@_jit()
+def _nvfp4_rne_serial(x, packed, scodes, sg):
+    n = x.size
+    h = np.empty(_CHUNK // 4, np.int32)
+    inv = np.empty(_CHUNK // 16, np.float32)
+    codes = np.empty(_CHUNK, np.uint8)
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        _nvfp4_rne_chunk(
+            x[lo:hi], packed[lo // 2 : (hi + 1) // 2], scodes[lo // 16 : (hi + 15) // 16], sg, h, inv, codes
+        )
+
+
+@_jit(parallel=True)
+def _nvfp4_rne_parallel(x, packed, scodes, sg):
+    n = x.size
+    nch = (n + _CHUNK - 1) // _CHUNK
+    for c in prange(nch):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        h = np.empty(_CHUNK // 4, np.int32)
+        inv = np.empty(_CHUNK // 16, np.float32)
+        codes = np.empty(_CHUNK, np.uint8)
+        _nvfp4_rne_chunk(
+            x[lo:hi], packed[lo // 2 : (hi + 1) // 2], scodes[lo // 16 : (hi + 15) // 16], sg, h, inv, codes
+        )
+
+
+@_jit()
+def _unpack_nibbles(packed, codes):
+    """Write codes[2j] = low nibble, codes[2j + 1] = high nibble of packed[j]."""
+    pairs = codes.view(np.uint16)
+    for j in range(packed.size):
+        v = np.uint16(packed[_U(j)])
+        # uint16 view of two bytes is little-endian on every platform numba supports.
+        pairs[_U(j)] = np.uint16((v & np.uint16(0xF)) | ((v & np.uint16(0xF0)) << np.uint16(4)))
+
+
+@_jit()
+def _e2m1_dec(codes, d, out):
+    for b in range(d.size):
+        s = d[_U(b)]
+        for k in range(16):
+            i = _U(b) * _U(16) + _U(k)
+            out[i] = _e2m1_value(_I(codes[i])) * s
+
+
+@_jit()
+def _e2m1_dec_add(codes, d, out):
+    for b in range(d.size):
+        s = d[_U(b)]
+        for k in range(16):
+            i = _U(b) * _U(16) + _U(k)
+            out[i] = out[i] + _e2m1_value(_I(codes[i])) * s
+
+
+@_jit()
+def _nvfp4_dec_chunk(packed, scodes, sg, lut8, out, add, codes, d):
+    n = out.size
+    nb = scodes.size
+    for b in range(nb):
+        d[b] = lut8[scodes[b]] * sg
+    _unpack_nibbles(packed, codes[: 2 * packed.size])
+    nfull = n // 16
+    if add:
+        _e2m1_dec_add(codes[: nfull * 16], d[:nfull], out[: nfull * 16])
+    else:
+        _e2m1_dec(codes[: nfull * 16], d[:nfull], out[: nfull * 16])
+    for i in range(nfull * 16, n):  # a partial last block
+        v = _e2m1_value(_I(codes[i])) * d[nfull]
+        out[i] = out[i] + v if add else v
+
+
+@_jit()
+def _nvfp4_dec_serial(packed, scodes, sg, lut8, out, add):
+    n = out.size
+    codes = np.empty(_CHUNK, np.uint8)
+    d = np.empty(_CHUNK // 16, np.float32)
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        _nvfp4_dec_chunk(
+            packed[lo // 2 : (hi + 1) // 2], scodes[lo // 16 : (hi + 15) // 16], sg, lut8, out[lo:hi], add, codes, d
+        )
+
+
+@_jit(parallel=True)
+def _nvfp4_dec_parallel(packed, scodes, sg, lut8, out, add):
+    n = out.size
+    nch = (n + _CHUNK - 1) // _CHUNK
+    for c in prange(nch):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        codes = np.empty(_CHUNK, np.uint8)
+        d = np.empty(_CHUNK // 16, np.float32)
+        _nvfp4_dec_chunk(
+            packed[lo // 2 : (hi + 1) // 2], scodes[lo // 16 : (hi + 15) // 16], sg, lut8, out[lo:hi], add, codes, d
+        )
+
+
+def _same_table(table: np.ndarray, reference: np.ndarray) -> bool:
+    return table is reference or (table.shape == reference.shape and np.array_equal(table, reference, equal_nan=True))
+
+
+def _nvfp4_fast(p8: tuple, p4: tuple, lut8: np.ndarray) -> bool:
+    """Return True when the NVFP4 formats are E4M3 scales and E2M1 codes (the RNE fast path's constants)."""
+    return _typed(tuple(p8)) == _E4M3 and _typed(tuple(p4)) == _E2M1 and _same_table(lut8, _E4M3_LUT)
+
+
+def _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, add) -> None:
+    sg = np.float32(sg)
+    if _same_table(lut4, _E2M1_LUT):
+        driver = _nvfp4_dec_parallel if _parallel(out.size) else _nvfp4_dec_serial
+        driver(packed, scodes, sg, lut8, out, add)
+        return
+    _use_threads()
+    if add:
+        part = np.empty_like(out)
+        _nvfp4_decode(packed, scodes, sg, lut8, lut4, part)
+        np.add(out, part, out=out)
+    else:
+        _nvfp4_decode(packed, scodes, sg, lut8, lut4, out)
+
+
 # ---- backend API (same names and signatures as _torch_kernels) ----------------
 
 
 def amax(x: np.ndarray) -> np.float32:
     """Return the largest finite |x| of a flat float32 array (0.0 if there is none)."""
-    _use_threads()
-    return np.float32(_amax(x))
+    return np.float32(_amax(x) if _parallel(x.size) else _amax_serial(x))
 
 
 def tensor_scale(amax_value, divisor: float, floor: float) -> np.float32:
@@ -433,7 +756,13 @@ def encode_blocks(x, out, scales, block, params, max_finite, floor, *, sr=False,
 def decode_blocks(codes, scales, block, lut, out) -> None:
     """Decode 8-bit codes times per-block scales (one scale per tensor: ``block >= n``)."""
     _use_threads()
-    _dec_blocks(codes, scales, max(1, block), lut, out)
+    _dec_blocks(codes, scales, max(1, block), lut, out, False)
+
+
+def decode_blocks_add(codes, scales, block, lut, out) -> None:
+    """Add the values of :func:`decode_blocks` to ``out`` in one pass (same rounding as decode, then add)."""
+    _use_threads()
+    _dec_blocks(codes, scales, max(1, block), lut, out, True)
 
 
 def encode16(x, out, params) -> None:
@@ -445,16 +774,31 @@ def encode16(x, out, params) -> None:
 def decode16(buf, lut, out) -> None:
     """Decode little-endian 16-bit codes through a 65536-entry table into ``out``."""
     _use_threads()
-    _dec16(buf, lut, out)
+    _dec16(buf, lut, out, False)
+
+
+def decode16_add(buf, lut, out) -> None:
+    """Add the values of :func:`decode16` to ``out`` in one pass."""
+    _use_threads()
+    _dec16(buf, lut, out, True)
 
 
 def nvfp4_encode(x, packed, scodes, sg, p8, p4, lut8, *, sr=False, stream=0) -> None:
     """Write NVFP4 packed codes (low nibble = even element) and E4M3 block-scale codes."""
+    sg = np.float32(sg)
+    if not sr and _nvfp4_fast(p8, p4, lut8):
+        driver = _nvfp4_rne_parallel if _parallel(x.size) else _nvfp4_rne_serial
+        driver(x, packed, scodes, sg)
+        return
     _use_threads()
-    _nvfp4_encode(x, packed, scodes, np.float32(sg), _typed(p8), _typed(p4), lut8, sr, stream)
+    _nvfp4_encode(x, packed, scodes, sg, _typed(p8), _typed(p4), lut8, sr, stream)
 
 
 def nvfp4_decode(packed, scodes, sg, lut8, lut4, out) -> None:
     """Decode NVFP4 packed codes with E4M3 block scales and the FP32 global scale."""
-    _use_threads()
-    _nvfp4_decode(packed, scodes, np.float32(sg), lut8, lut4, out)
+    _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, False)
+
+
+def nvfp4_decode_add(packed, scodes, sg, lut8, lut4, out) -> None:
+    """Add the values of :func:`nvfp4_decode` to ``out`` in one pass (same rounding as decode, then add)."""
+    _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, True)

@@ -158,6 +158,13 @@ def decode_blocks(codes, scales, block, lut, out) -> None:
     out.copy_(values.reshape(-1)[:n])
 
 
+def decode_blocks_add(codes, scales, block, lut, out) -> None:
+    """Add the values of :func:`decode_blocks` to ``out`` (decoded into a temporary, then added)."""
+    part = torch.empty_like(out)
+    decode_blocks(codes, scales, block, lut, part)
+    out.add_(part)
+
+
 def encode16(x, out, params) -> None:
     """Write two little-endian bytes per element (fp16/bf16 codes, RNE) into ``out``."""
     c = _codes_rne(x, params)
@@ -168,6 +175,13 @@ def decode16(buf, lut, out) -> None:
     """Decode little-endian 16-bit codes through a 65536-entry table into ``out``."""
     idx = buf[0::2].to(torch.int64) | (buf[1::2].to(torch.int64) << 8)
     out.copy_(_lut(lut, buf.device)[idx])
+
+
+def decode16_add(buf, lut, out) -> None:
+    """Add the values of :func:`decode16` to ``out`` (decoded into a temporary, then added)."""
+    part = torch.empty_like(out)
+    decode16(buf, lut, part)
+    out.add_(part)
 
 
 def nvfp4_encode(x, packed, scodes, sg, p8, p4, lut8, *, sr=False, stream=0) -> None:
@@ -202,3 +216,10 @@ def nvfp4_decode(packed, scodes, sg, lut8, lut4, out) -> None:
     values = torch.stack([table4[p & 0xF], table4[p >> 4]], dim=1).reshape(-1)
     d = _lut(lut8, packed.device)[scodes.long()] * sg
     out.copy_((_blocks(values, 16) * d[:, None]).reshape(-1)[:n])
+
+
+def nvfp4_decode_add(packed, scodes, sg, lut8, lut4, out) -> None:
+    """Add the values of :func:`nvfp4_decode` to ``out`` (decoded into a temporary, then added)."""
+    part = torch.empty_like(out)
+    nvfp4_decode(packed, scodes, sg, lut8, lut4, part)
+    out.add_(part)

@@ -7,7 +7,8 @@ A codec turns a float array into bytes for the wire and back. Two levels:
   same kind of array with the original shape and dtype (computation is float32).
 - ``encode_into(x, out, key=None)`` / ``decode_from(buf, n, out=None)`` on flat
   float32 vectors and raw uint8 buffers of exactly ``wire_nbytes(n)`` bytes, for
-  collectives that encode chunks into slices of one preallocated send buffer.
+  collectives that encode chunks into slices of one preallocated send buffer;
+  ``decode_add(buf, n, out)`` adds the decoded values to ``out`` (a reduction).
 
 No header goes on the wire: the receiver must know the codec and the element
 count. A :class:`Payload` carries that metadata on the Python side (not counted in
@@ -157,6 +158,14 @@ class Codec(abc.ABC):
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         """Decode a validated buffer into the float32 vector ``out`` and return it."""
 
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        """Add the decoded values of a validated buffer to ``out``, as ``out += decoded``.
+
+        Here: decode into a temporary vector, then add. Codecs with a fused
+        kernel override this; the result must stay bit-identical.
+        """
+        out += self._decode(buf, n, _arrays.empty_f32(out, n))
+
     @property
     def stages(self) -> tuple[Codec, ...]:
         """Return this codec and the codecs it wraps, outermost first."""
@@ -197,20 +206,56 @@ class Codec(abc.ABC):
 
     def decode_from(self, buf: Any, n: int, out: Any = None) -> Any:
         """Decode ``n`` elements from the uint8 buffer ``buf`` into a flat float32 vector."""
+        n, kind, tbuf = self._check_encoded(buf, n)
+        if out is None:
+            target = _arrays.empty_f32(tbuf, n)
+        else:
+            target = self._check_out(out, n, kind)
+        self._decode(tbuf, n, target)
+        return out if out is not None else _arrays.from_torch(target, kind)
+
+    def decode_add(self, buf: Any, n: int, out: Any) -> Any:
+        """Decode ``n`` elements from ``buf`` and add them to ``out`` in place.
+
+        The result is bit-identical to ``out += decode_from(buf, n)``: each
+        value is decoded and rounded to float32 first, then added. NVFP4, FP8
+        and the fp16/bf16 casts (and stages around them that only pass decoding
+        through, such as error feedback) do it in one pass without a temporary
+        vector; other codecs decode into a temporary and add.
+
+        Args:
+            buf: uint8 buffer of exactly ``wire_nbytes(n)`` bytes.
+            n: the number of encoded elements.
+            out: float32 vector of ``n`` elements, the same array kind (and device) as ``buf``.
+
+        Returns:
+            ``out``, updated.
+
+        Example:
+            >>> total = own_chunk.copy()
+            >>> for buf in received:
+            ...     codec.decode_add(buf, total.size, total)
+        """
+        n, kind, tbuf = self._check_encoded(buf, n)
+        if _arrays.kind_of(out) != kind:
+            raise ValueError(f"out is a {_arrays.kind_of(out)} array and buf a {kind} one; decode_add needs one kind")
+        self._decode_add(tbuf, n, self._check_out(out, n, kind))
+        return out
+
+    def _check_encoded(self, buf: Any, n: Any) -> tuple[int, str, Any]:
+        """Validate ``n`` and ``buf``; return n, the array kind and ``buf`` as the kernels take it."""
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         n = int(n)
         self._check_buffer(buf, n, "buf")
         kind = _arrays.kind_of(buf)
-        tbuf = _arrays.to_torch(buf) if kind == "cupy" else buf
-        if out is None:
-            target = _arrays.empty_f32(tbuf, n)
-        else:
-            if tuple(out.shape) != (n,) or _arrays.dtype_name(out) != "float32":
-                raise ValueError(f"out must be a float32 vector of {n} elements, got {tuple(out.shape)} {_arrays.dtype_name(out)}")
-            target = _arrays.to_torch(out) if kind == "cupy" else out
-        self._decode(tbuf, n, target)
-        return out if out is not None else _arrays.from_torch(target, kind)
+        return n, kind, (_arrays.to_torch(buf) if kind == "cupy" else buf)
+
+    def _check_out(self, out: Any, n: int, kind: str) -> Any:
+        """Validate a float32 output vector of ``n`` elements; return it as the kernels take it."""
+        if tuple(out.shape) != (n,) or _arrays.dtype_name(out) != "float32":
+            raise ValueError(f"out must be a float32 vector of {n} elements, got {tuple(out.shape)} {_arrays.dtype_name(out)}")
+        return _arrays.to_torch(out) if kind == "cupy" else out
 
     def _check_buffer(self, buf: Any, n: int, name: str) -> None:
         expected = self.wire_nbytes(n)

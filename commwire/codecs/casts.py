@@ -77,3 +77,6 @@ class CastCodec(Codec):
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         _arrays.kernels(_arrays.kind_of(buf)).decode16(buf, self.format.lut(), out)
         return out
+
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        _arrays.kernels(_arrays.kind_of(buf)).decode16_add(buf, self.format.lut(), out)

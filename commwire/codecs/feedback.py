@@ -81,3 +81,6 @@ class ErrorFeedback(Wrapper):
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         return self.codec._decode(buf, n, out)
+
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        self.codec._decode_add(buf, n, out)  # decoding passes through: use the wrapped codec's fused kernel

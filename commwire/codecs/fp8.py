@@ -101,3 +101,8 @@ class Fp8Codec(Codec):
         scales = k.get_f32(buf[n:])
         k.decode_blocks(buf[:n], scales, self.config.block or n, self.format.lut(), out)
         return out
+
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        k = _arrays.kernels(_arrays.kind_of(buf))
+        scales = k.get_f32(buf[n:])
+        k.decode_blocks_add(buf[:n], scales, self.config.block or n, self.format.lut(), out)

@@ -631,6 +631,9 @@ class Gift(Wrapper):
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         return self.codec._decode(buf, n, out)
 
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        self.codec._decode_add(buf, n, out)  # the inverse transform runs on the whole reduced tensor
+
     def residual(self, key: Hashable) -> np.ndarray | None:
         """Return the error-feedback residual of tensor ``key`` in transformed coordinates (or None)."""
         return self.state.slot(key).get("residual") if key in self.state else None

@@ -88,8 +88,14 @@ class Nvfp4Codec(Codec):
         k.put_f32(out[npacked + nb :], sg)
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
+        self._run_decode(buf, n, out, "nvfp4_decode")
+        return out
+
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        self._run_decode(buf, n, out, "nvfp4_decode_add")
+
+    def _run_decode(self, buf: Any, n: int, out: Any, kernel: str) -> None:
         k = _arrays.kernels(_arrays.kind_of(buf))
         npacked, nb = -(-n // 2), -(-n // BLOCK)
         sg = k.get_f32(buf[npacked + nb :])[0]
-        k.nvfp4_decode(buf[:npacked], buf[npacked : npacked + nb], sg, self.scale.lut(), self.elem.lut(), out)
-        return out
+        getattr(k, kernel)(buf[:npacked], buf[npacked : npacked + nb], sg, self.scale.lut(), self.elem.lut(), out)
