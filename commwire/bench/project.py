@@ -26,8 +26,8 @@ A projection to a cluster (one rank per node, real links) drops g and the
 token bucket: ``LinkModel.alone``. The compressed all-reduce (wire ratio w,
 codec throughputs measured here) is pipelined:
 
-    T_codec(n, P) = max(wire, cpu) + (wire + cpu)/segments,
-    wire = segments·(P−1+⌈log2 P⌉)·α_large·g^κ_α + 2(P−1)/P · w·n·β·g^κ_β,
+    T_codec(n, P) = max(wire, cpu)·(s−1)/s + (wire + cpu)/s   (s pipeline segments),
+    wire = segments·2(P−1)·α_large·g^κ_α + 2(P−1)/P · w·n·β·g^κ_β,
     cpu  = (n/enc + n(2−1/P)/dec) · g
 
 α, α_large, β are fitted by least squares on relative error (non-negative) to
@@ -154,12 +154,12 @@ PIPELINE_BYTES = 4 << 20
 
 def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float, enc_Bps: float,
                        dec_Bps: float) -> float:
-    """Return the modelled compressed all-reduce time (pipelined Alltoallv + Allgatherv of payloads).
+    """Return the modelled compressed all-reduce time (two pipelined Alltoallv phases of payloads).
 
     Per rank: encode n bytes of FP32 (the others' chunks, then its reduced one), decode
     n(2 - 1/P); the wire carries 2(P-1)/P · w·n.
-    Segments overlap codec work with the wire, so the time is the larger of the two plus
-    one segment of each (pipeline fill and drain). Codec work slows by g = P/cores when
+    Segments overlap codec work with the wire, so the time is the larger of the two for
+    all segments but one, plus one segment of both (pipeline fill and drain). Codec work slows by g = P/cores when
     ranks share cores.
     """
     cpu = nbytes / enc_Bps + nbytes * (2 - 1 / p) / dec_Bps
@@ -168,9 +168,10 @@ def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float
     cpu *= m.crowding(p)
     segments = max(1, math.ceil(nbytes / PIPELINE_BYTES))
     chunk = wire_ratio * min(nbytes, PIPELINE_BYTES) / p
-    wire = _combine(m, segments * (p - 1 + _steps(p)) * m.round_s(p, chunk),
+    wire = _combine(m, segments * 2 * (p - 1) * m.round_s(p, chunk),
                     2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
-    return max(wire, cpu) + (wire + cpu) / segments
+    # s segments of wire/s and cpu/s each: the first fills the pipe, the slower stage sets the pace.
+    return max(wire, cpu) * (segments - 1) / segments + (wire + cpu) / segments
 
 
 def _nonneg_lstsq(a: np.ndarray) -> np.ndarray:
