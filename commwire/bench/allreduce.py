@@ -96,6 +96,13 @@ def run_allreduce_bench(
                 cw.allreduce(x, codec=codec, out=cw_out, name="bench")
 
         ours()  # first call: JIT compilation, buffers, lane: not part of the phase split
+        if codec is not None:  # let the segment tuner settle first, as it does in the first steps of training
+            from ..codecs.collective import PEER_CHOICES, TUNE_ROUNDS, tuned_segment_bytes
+
+            for _ in range(TUNE_ROUNDS * len(PEER_CHOICES)):
+                if tuned_segment_bytes(comm, codec, n) is not None:
+                    break
+                ours()
         cw.stats(reset=True)
         t_raw, t_cw = _timed_batches(comm, [raw, ours], iters, repeats)
         row: dict[str, Any] = {
@@ -110,6 +117,9 @@ def run_allreduce_bench(
         if codec is not None:
             row.update(_codec_breakdown(cw.stats(), n))
             row["codec"] = codec
+            from ..codecs.collective import tuned_segment_bytes
+
+            row["segment_bytes"] = tuned_segment_bytes(comm, codec, n)
             row["rel_l2_err"] = float(np.linalg.norm(cw_out - raw_out) / max(np.linalg.norm(raw_out), 1e-30))
         rows.append(row)
     return rows
@@ -144,12 +154,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                  f"{r['raw_GBps']:.3f}", f"{r['commwire_GBps']:.3f}", f"{r['ratio']:.2f}"] for r in rows]
     else:
         head = ["ranks", "size", "codec", "FP32 MPI ms", "compressed ms", "speedup", "encode ms", "transfer ms",
-                "decode ms", "wire B/elem", "rel. L2 error"]
+                "decode ms", "wire B/elem", "rel. L2 error", "segment KiB"]
         body = [[str(r["ranks"]), _human(r["bytes"]), r["codec"], f"{r['raw_us'] / 1e3:.2f}",
                  f"{r['commwire_us'] / 1e3:.2f}", f"{r['raw_us'] / r['commwire_us']:.2f}",
                  f"{r.get('encode_us', 0) / 1e3:.2f}", f"{r.get('transfer_us', 0) / 1e3:.2f}",
                  f"{r.get('decode_us', 0) / 1e3:.2f}", f"{r.get('wire_bytes_per_elem', 0):.4f}",
-                 f"{r.get('rel_l2_err', 0):.4f}"] for r in rows]
+                 f"{r.get('rel_l2_err', 0):.4f}",
+                 f"{r['segment_bytes'] / 1024:.0f}" if r.get("segment_bytes") else "-"] for r in rows]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     return "\n".join(lines)

@@ -27,8 +27,10 @@ token bucket: ``LinkModel.alone``. The compressed all-reduce (wire ratio w,
 codec throughputs measured here) is pipelined:
 
     T_codec(n, P) = max(wire, cpu)·(s−1)/s + (wire + cpu)/s   (s pipeline segments),
-    wire = segments·2(P−1)·α_large·g^κ_α + 2(P−1)/P · w·n·β·g^κ_β,
-    cpu  = (n/enc + n(2−1/P)/dec) · g
+    wire = s·2(P−1)·α(message)·g^κ_α + 2(P−1)/P · w·n·β·g^κ_β,
+    cpu  = (n/enc + n(2−1/P)/dec) · g,
+
+with s chosen, as the all-reduce's tuner does, as the fastest of its segment sizes.
 
 α, α_large, β are fitted by least squares on relative error (non-negative) to
 FP32 all-reduce times measured by ``commwire bench allreduce --json``; κ_α, κ_β
@@ -53,8 +55,10 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.collective import PEER_BYTES, PEER_CHOICES  # payload bytes per peer per pipeline segment
+
 __all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "validate_codec", "main",
-           "INJECT_BYTES"]
+           "INJECT_BYTES", "segment_bytes"]
 
 
 INJECT_BYTES = 128
@@ -148,30 +152,38 @@ def allreduce_seconds(m: LinkModel, nbytes: float, p: int) -> float:
     return _combine(m, latency, _terms(nbytes, p)[2] * m.byte_s(p))
 
 
-PIPELINE_BYTES = 4 << 20
-"""FP32 bytes per pipeline segment of the compressed all-reduce (its default)."""
+def segment_bytes(p: int, wire_ratio: float, peer_bytes: int = PEER_BYTES) -> float:
+    """Return the FP32 bytes of one pipeline segment: ``peer_bytes`` of payload to each of ``p`` ranks."""
+    return max(512.0 * p, peer_bytes * p / wire_ratio)
+
+
+def _pipelined_seconds(m: LinkModel, nbytes: float, p: int, wire_ratio: float, cpu: float, seg: float) -> float:
+    segments = max(1, math.ceil(nbytes / seg))
+    chunk = wire_ratio * min(nbytes, seg) / p
+    wire = _combine(m, segments * 2 * (p - 1) * m.round_s(p, chunk),
+                    2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
+    # s segments of wire/s and cpu/s each: the first fills the pipe, the slower stage sets the pace.
+    return max(wire, cpu) * (segments - 1) / segments + (wire + cpu) / segments
 
 
 def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float, enc_Bps: float,
-                       dec_Bps: float) -> float:
+                       dec_Bps: float, peer_bytes: int | None = None) -> float:
     """Return the modelled compressed all-reduce time (two pipelined Alltoallv phases of payloads).
 
     Per rank: encode n bytes of FP32 (the others' chunks, then its reduced one), decode
-    n(2 - 1/P); the wire carries 2(P-1)/P · w·n.
-    Segments overlap codec work with the wire, so the time is the larger of the two for
-    all segments but one, plus one segment of both (pipeline fill and drain). Codec work slows by g = P/cores when
-    ranks share cores.
+    n(2 - 1/P); the wire carries 2(P-1)/P · w·n. Codec work slows by g = P/cores when
+    ranks share cores. Segments overlap codec work with the wire, so the time is the
+    larger of the two for all segments but one, plus one segment of both (pipeline fill
+    and drain). The segment is the fastest of ``PEER_CHOICES`` payload bytes per peer,
+    as the all-reduce's own tuner picks it; ``peer_bytes`` fixes it instead.
     """
     cpu = nbytes / enc_Bps + nbytes * (2 - 1 / p) / dec_Bps
     if p <= 1:
         return nbytes / enc_Bps + nbytes / dec_Bps
     cpu *= m.crowding(p)
-    segments = max(1, math.ceil(nbytes / PIPELINE_BYTES))
-    chunk = wire_ratio * min(nbytes, PIPELINE_BYTES) / p
-    wire = _combine(m, segments * 2 * (p - 1) * m.round_s(p, chunk),
-                    2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
-    # s segments of wire/s and cpu/s each: the first fills the pipe, the slower stage sets the pace.
-    return max(wire, cpu) * (segments - 1) / segments + (wire + cpu) / segments
+    choices = (peer_bytes,) if peer_bytes else PEER_CHOICES
+    return min(_pipelined_seconds(m, nbytes, p, wire_ratio, cpu, segment_bytes(p, wire_ratio, peer))
+               for peer in choices)
 
 
 def _nonneg_lstsq(a: np.ndarray) -> np.ndarray:

@@ -38,10 +38,24 @@ from ..comm.handle import wait_requests
 from ..comm.lane import lane_for
 from .base import Codec
 
-__all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PIPELINE_BYTES", "SMALL_BYTES"]
+__all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_BYTES", "PEER_CHOICES",
+           "SMALL_BYTES", "segment_bytes_for", "tuned_segment_bytes"]
 
-PIPELINE_BYTES = 4 << 20
-"""FP32 bytes per pipeline segment (default 4 MiB)."""
+PEER_CHOICES = (16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10)
+"""Payload bytes one rank sends one peer per pipeline segment, tried by the segment tuner.
+
+The best segment depends on the network: on 4 lab hosts at 1 Gbit/s (MPICH over
+libfabric tcp) per-peer messages above ~64 KiB cost several ms more per call
+(FP8 at 1 MiB: 10.7 ms in one segment, 3.6-6.1 ms with messages of 32 KiB or
+less; at 64 MiB NVFP4 131 -> 122 ms), while at 10 Gbit/s the per-segment
+overhead dominates and 4 MiB segments were fastest (FP8 at 64 MiB: 82 ms vs
+129 ms with 32 KiB messages). So the first calls of each tensor size try these
+and keep the fastest (see ``_Tuner``); ``segment_bytes=`` fixes a size instead.
+Fixing the message, not the FP32 segment, keeps it the same at any rank count."""
+TUNE_ROUNDS = 2
+"""Calls per candidate segment size before the tuner decides (the fastest of them counts)."""
+PEER_BYTES = 32 << 10
+"""The per-peer payload of the segment used before tuning is possible (``segment_bytes_for``'s default)."""
 SMALL_BYTES = 64 << 10
 """Below this many FP32 bytes the single-Allgather variant is used."""
 _ALIGN = 128  # chunk boundaries fall on whole quantisation blocks (NVFP4: 16, block FP8: up to 128)
@@ -99,6 +113,12 @@ class _Segment:
         return slice(lo, lo + int(self.counts[i]))
 
 
+def segment_bytes_for(codec: Codec, size: int, peer_bytes: int = PEER_BYTES) -> int:
+    """Return the FP32 bytes per pipeline segment that send ``peer_bytes`` of ``codec`` payload to each peer."""
+    per_elem = codec.wire_nbytes(1 << 20) / (1 << 20)
+    return max(_ALIGN * size * 4, int(peer_bytes * size / per_elem) * 4)
+
+
 def _segments(n: int, size: int, segment_bytes: int) -> list[tuple[int, int]]:
     step = max(_ALIGN * size, (segment_bytes // 4) // (_ALIGN * size) * (_ALIGN * size))
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
@@ -119,6 +139,68 @@ class _Plan:
 
 _plans: dict[tuple[Any, ...], _Plan] = {}
 _MAX_PLANS = 64
+
+
+class _Tuner:
+    """Choose the pipeline segment of one (communicator, codec, size) by timing its first calls.
+
+    Each candidate (one per ``PEER_CHOICES`` entry, capped at the whole tensor) runs
+    ``TUNE_ROUNDS`` calls in turn; then one all-reduce of the candidates' best times
+    (the slowest rank's) picks the same segment on every rank. Every rank makes the
+    same sequence of calls, so they decide on the same call; until then results are
+    as correct as ever, only the speed varies.
+    """
+
+    def __init__(self, codec: Codec, size: int, n: int) -> None:
+        self.codec_spec, self.n = codec.spec, n
+        whole = max(_ALIGN * size, n) * 4
+        self.options = sorted({min(segment_bytes_for(codec, size, peer), whole) for peer in PEER_CHOICES})
+        self.times: dict[int, list[float]] = {opt: [] for opt in self.options}
+        self.chosen: int | None = self.options[0] if len(self.options) == 1 else None
+        self.calls = 0
+
+    def next(self) -> int:
+        """Return the segment bytes to use for the next call."""
+        if self.chosen is not None:
+            return self.chosen
+        return self.options[self.calls % len(self.options)]
+
+    def record(self, comm: Communicator, segment_bytes: int, seconds: float) -> None:
+        """Record one call's time; after the last exploring call, decide (a collective call)."""
+        if self.chosen is not None:
+            return
+        self.times[segment_bytes].append(seconds)
+        self.calls += 1
+        if self.calls < TUNE_ROUNDS * len(self.options):
+            return
+        from mpi4py import MPI
+
+        mine = np.array([min(self.times[opt]) for opt in self.options])
+        slowest = np.empty_like(mine)
+        comm.mpi.Allreduce(mine, slowest, op=MPI.MAX)
+        self.chosen = self.options[int(np.argmin(slowest))]
+        for opt in self.options:  # free the scratch buffers of the sizes not chosen
+            if opt != self.chosen:
+                _plans.pop((id(comm), comm.uid, self.codec_spec, self.n, opt), None)
+
+
+_tuners: dict[tuple[Any, ...], _Tuner] = {}
+
+
+def _tuner(comm: Communicator, codec: Codec, n: int) -> _Tuner:
+    key = (id(comm), comm.uid, codec.spec, n)
+    tuner = _tuners.get(key)
+    if tuner is None:
+        if len(_tuners) >= _MAX_PLANS:
+            _tuners.pop(next(iter(_tuners)))
+        tuner = _tuners[key] = _Tuner(codec, comm.size, n)
+    return tuner
+
+
+def tuned_segment_bytes(comm: Communicator, codec: Any, n: int) -> int | None:
+    """Return the segment bytes the tuner chose for ``n`` float32 elements of ``codec``, or None while tuning."""
+    tuner = _tuners.get((id(comm), comm.uid, resolve_codec(codec).spec, int(n)))
+    return tuner.chosen if tuner is not None else None
 
 
 def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> _Plan:
@@ -265,7 +347,7 @@ def compressed_allreduce(
     codec: Any,
     out: Any = None,
     name: str | None = None,
-    segment_bytes: int = PIPELINE_BYTES,
+    segment_bytes: int | None = None,
     small_bytes: int = SMALL_BYTES,
 ) -> Any:
     """Sum or average ``x`` over ``comm`` with ``codec`` payloads on the wire.
@@ -277,7 +359,8 @@ def compressed_allreduce(
         codec: spec string or codec object (see ``commwire.codecs.get``).
         out: optional array for the result.
         name: stable tensor name; keys error-feedback state and labels statistics.
-        segment_bytes: FP32 bytes per pipeline segment.
+        segment_bytes: FP32 bytes per pipeline segment; default: tuned on the first calls of each
+            size among ``PEER_CHOICES`` payload bytes per peer (see ``_Tuner``).
         small_bytes: below this size use the single-Allgather variant.
 
     Returns:
@@ -313,7 +396,14 @@ def compressed_allreduce(
     if small:
         run.gathered(flat, result)
     else:
-        run.pipelined(flat, result, segment_bytes)
+        if segment_bytes:
+            run.pipelined(flat, result, segment_bytes)
+        else:
+            tuner = _tuner(comm, codec, flat.size)
+            seg = tuner.next()
+            t0 = _perf()
+            run.pipelined(flat, result, seg)
+            tuner.record(comm, seg, _perf() - t0)
     codec.tensor_inverse(result, key)
     adapter.release(host)
     if direct is not None:

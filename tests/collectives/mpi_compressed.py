@@ -25,7 +25,7 @@ import pytest
 
 import commwire as cw
 from commwire.codecs import get
-from commwire.codecs.collective import compressed_allreduce
+from commwire.codecs.collective import PEER_CHOICES, TUNE_ROUNDS, compressed_allreduce, tuned_segment_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -90,8 +90,9 @@ def test_wire_bytes_per_element_in_stats(spec, per_elem):
     codec = get(spec)
     row = snap["codecs"][codec.spec]
     # each of the encoded chunks carries its own scale(s): per-element cost is the
-    # format's plus 4 bytes per chunk (documented in collective.py)
-    assert per_elem <= row["bytes_per_element"] < per_elem + 64 * COMM.size / n + 1e-12
+    # format's plus 4 bytes per chunk of at least min(PEER_CHOICES) (documented in collective.py)
+    chunk_elems = min(PEER_CHOICES) / per_elem
+    assert per_elem <= row["bytes_per_element"] < per_elem + 2 * 4 / chunk_elems + 64 * COMM.size / n + 1e-12
     assert snap["compressed_allreduce"]["input_bytes"] == 4 * n
     assert snap["compressed_allreduce"]["bytes"] < 4 * n * per_elem / 4 * 2 + 1024 * COMM.size
 
@@ -150,3 +151,21 @@ def test_non_finite_stays_visible():
         x[20] = np.nan
     got = cw.allreduce(x, codec="fp8-e4m3", name="nonfinite")
     assert not np.isfinite(got).all()
+
+
+def test_segment_tuner_decides_the_same_size_on_every_rank():
+    n = 300_000  # a size no other test uses: a fresh tuner
+    x = gaussian(n, COMM.rank, seed=11)
+    want = reference(n, "sum", seed=11)
+    calls = 0
+    while tuned_segment_bytes(COMM, "nvfp4", n) is None:
+        got = compressed_allreduce(COMM, x, "sum", codec="nvfp4", name="tuned", small_bytes=0)
+        assert rel_err(got, want) < 0.2  # every exploring call is a correct all-reduce
+        calls += 1
+        assert calls <= TUNE_ROUNDS * len(PEER_CHOICES)
+    chosen = tuned_segment_bytes(COMM, "nvfp4", n)
+    assert len(set(COMM.mpi.allgather(chosen))) == 1 and calls >= TUNE_ROUNDS
+    # afterwards the chosen segment is used: same result as a call with it fixed
+    tuned = compressed_allreduce(COMM, x, "sum", codec="nvfp4", name="tuned-after", small_bytes=0)
+    fixed = compressed_allreduce(COMM, x, "sum", codec="nvfp4", name="fixed", small_bytes=0, segment_bytes=chosen)
+    assert np.array_equal(tuned, fixed)
