@@ -52,8 +52,8 @@ overhead dominates and 4 MiB segments were fastest (FP8 at 64 MiB: 82 ms vs
 129 ms with 32 KiB messages). So the first calls of each tensor size try these
 and keep the fastest (see ``_Tuner``); ``segment_bytes=`` fixes a size instead.
 Fixing the message, not the FP32 segment, keeps it the same at any rank count."""
-TUNE_ROUNDS = 2
-"""Calls per candidate segment size before the tuner decides (the fastest of them counts)."""
+TUNE_ROUNDS = 5
+"""Consecutive calls per candidate segment size; the median of all but the first two counts."""
 PEER_BYTES = 32 << 10
 """The per-peer payload of the segment used before tuning is possible (``segment_bytes_for``'s default)."""
 SMALL_BYTES = 64 << 10
@@ -145,7 +145,8 @@ class _Tuner:
     """Choose the pipeline segment of one (communicator, codec, size) by timing its first calls.
 
     Each candidate (one per ``PEER_CHOICES`` entry, capped at the whole tensor) runs
-    ``TUNE_ROUNDS`` calls in turn; then one all-reduce of the candidates' best times
+    ``TUNE_ROUNDS`` consecutive calls (steady state, as in training, not a pattern
+    alternating with the other candidates); then one all-reduce of the candidates' best times
     (the slowest rank's) picks the same segment on every rank. Every rank makes the
     same sequence of calls, so they decide on the same call; until then results are
     as correct as ever, only the speed varies.
@@ -163,7 +164,7 @@ class _Tuner:
         """Return the segment bytes to use for the next call."""
         if self.chosen is not None:
             return self.chosen
-        return self.options[self.calls % len(self.options)]
+        return self.options[self.calls // TUNE_ROUNDS]
 
     def record(self, comm: Communicator, segment_bytes: int, seconds: float) -> None:
         """Record one call's time; after the last exploring call, decide (a collective call)."""
@@ -175,7 +176,9 @@ class _Tuner:
             return
         from mpi4py import MPI
 
-        mine = np.array([min(self.times[opt]) for opt in self.options])
+        # the first calls of a block pay for the switch (new buffers, a different message
+        # pattern, a token bucket still full): steady state is what training sees
+        mine = np.array([float(np.median(self.times[opt][2:] or self.times[opt])) for opt in self.options])
         slowest = np.empty_like(mine)
         comm.mpi.Allreduce(mine, slowest, op=MPI.MAX)
         self.chosen = self.options[int(np.argmin(slowest))]
