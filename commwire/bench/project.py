@@ -20,7 +20,11 @@ When P ranks share ``cores`` cores (the lab: every emulated host runs on this
 machine) each rank waits for g = P/cores ranks per core to be scheduled, and the
 kernel's TCP work competes for the same cores, so
 
-    L → L · g^κ_α,   β → β · g^κ_β   (g = max(1, P/cores), κ fitted).
+    L → L · g^κ_α,   β → β · g^κ_β   (g = max(1, P/cores), κ fitted),
+
+the latter only for messages above 64 KiB (``SAVED_BYTES``): libfabric's tcp
+provider takes in smaller ones even before their receive is posted, while a
+longer one waits for its receiver to be scheduled.
 
 A projection to a cluster (one rank per node, real links) drops g and the
 token bucket: ``LinkModel.alone``. The compressed all-reduce (wire ratio w,
@@ -63,6 +67,9 @@ __all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "valid
 
 INJECT_BYTES = 128
 """Messages up to this size are sent inline by libfabric's tcp provider (its inject size)."""
+SAVED_BYTES = 64 << 10
+"""libfabric tcp buffers unexpected messages up to this size (``max_saved_size``); a longer one
+waits until its receive is posted, so it feels core sharing (see ``LinkModel.byte_s``)."""
 SHORT_BYTES = 8
 """Up to this size MPICH always all-reduces by recursive doubling (coll_selection.json)."""
 _ELEM = 4  # bytes per element: the model is of float32 all-reduces
@@ -107,9 +114,14 @@ class LinkModel:
         base = self.alpha if message_bytes <= INJECT_BYTES else large
         return base * self.crowding(p) ** self.latency_share
 
-    def byte_s(self, p: int) -> float:
-        """Return the time per byte on ``p`` ranks."""
-        return self.beta * self.crowding(p) ** self.bandwidth_share
+    def byte_s(self, p: int, message_bytes: float = math.inf) -> float:
+        """Return the time per byte of ``message_bytes`` messages on ``p`` ranks.
+
+        Core sharing slows only messages above ``SAVED_BYTES``: smaller ones the
+        receiver's provider takes in even before the receive is posted.
+        """
+        shared = message_bytes > SAVED_BYTES
+        return self.beta * (self.crowding(p) ** self.bandwidth_share if shared else 1.0)
 
     def alone(self) -> LinkModel:
         """Return the same network with one rank per node and real links: what a cluster has."""
@@ -149,7 +161,7 @@ def _combine(m: LinkModel, latency: float, transfer: float) -> float:
 def allreduce_seconds(m: LinkModel, nbytes: float, p: int) -> float:
     """Return the modelled FP32 all-reduce time of ``nbytes`` on ``p`` nodes."""
     latency = sum(m.round_s(p, b) for b in _rounds(nbytes, p))
-    return _combine(m, latency, _terms(nbytes, p)[2] * m.byte_s(p))
+    return _combine(m, latency, sum(b * m.byte_s(p, b) for b in _rounds(nbytes, p)))
 
 
 def segment_bytes(p: int, wire_ratio: float, peer_bytes: int = PEER_BYTES) -> float:
@@ -161,7 +173,7 @@ def _pipelined_seconds(m: LinkModel, nbytes: float, p: int, wire_ratio: float, c
     segments = max(1, math.ceil(nbytes / seg))
     chunk = wire_ratio * min(nbytes, seg) / p
     wire = _combine(m, segments * 2 * (p - 1) * m.round_s(p, chunk),
-                    2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p))
+                    2 * (p - 1) / p * wire_ratio * nbytes * m.byte_s(p, chunk))
     # s segments of wire/s and cpu/s each: the first fills the pipe, the slower stage sets the pace.
     return max(wire, cpu) * (segments - 1) / segments + (wire + cpu) / segments
 
@@ -208,10 +220,10 @@ def _fit_fixed(samples: list[tuple[int, float, float]], proto: LinkModel) -> Lin
     """
     terms = []
     for p, n, t in samples:
-        r1, r2, v = _terms(n, p)
+        r1, r2, _ = _terms(n, p)
         ls = proto.crowding(p) ** proto.latency_share
-        bs = proto.crowding(p) ** proto.bandwidth_share
-        terms.append((np.array([r1 * ls / t, r2 * ls / t]), v * bs / t))
+        v = sum(b * proto.byte_s(p, b) for b in _rounds(n, p))  # proto.beta = 1: bytes, weighted by sharing
+        terms.append((np.array([r1 * ls / t, r2 * ls / t]), v / t))
     side: list[str | None] = [None] * len(terms)  # None: both terms add (no bucket)
     if proto.token_bucket:  # start: the half with the most bytes per round is bandwidth-bound
         per_round = [b / max(lat.sum(), 1e-300) for lat, b in terms]

@@ -76,8 +76,11 @@ def test_core_sharing_and_token_bucket_are_recovered_and_dropped_for_a_cluster()
     # the bucket overlaps latency and transfer; a real link adds them
     n = 1 << 14
     lat = sum(truth.round_s(4, b) for b in project._rounds(n, 4))
-    xfer = project._terms(n, 4)[2] * truth.byte_s(4)
+    xfer = project._terms(n, 4)[2] * truth.beta  # messages of 8 KiB at most: no sharing penalty
     assert project.allreduce_seconds(truth, n, 4) == pytest.approx(max(lat, xfer))
+    # core sharing slows only messages above SAVED_BYTES
+    assert truth.byte_s(8, project.SAVED_BYTES) == truth.beta
+    assert truth.byte_s(8, project.SAVED_BYTES + 1) == pytest.approx(truth.beta * 4**0.2)
     alone = fitted.alone()
     assert alone.crowding(1024) == 1.0 and not alone.token_bucket and alone.alpha == fitted.alpha
     assert project.allreduce_seconds(alone, n, 2) == pytest.approx(
