@@ -89,8 +89,7 @@ def resolve_codec(codec: Any) -> Codec:
 class _Segment:
     """Buffers and bookkeeping of one pipeline segment."""
 
-    __slots__ = ("start", "counts", "wire", "offsets", "send", "recv", "mine", "gathered", "gather_counts",
-                 "zeros", "req")
+    __slots__ = ("start", "counts", "wire", "offsets", "send", "recv", "gathered")
 
     def __init__(self, codec: Codec, start: int, stop: int, size: int, rank: int) -> None:
         m = stop - start
@@ -102,11 +101,7 @@ class _Segment:
         self.offsets = np.concatenate(([0], np.cumsum(self.wire)[:-1]))
         self.send = np.empty(int(self.wire.sum()), dtype=np.uint8)
         self.recv = np.empty(int(self.wire[rank]) * size, dtype=np.uint8)
-        self.mine = np.empty(int(self.wire[rank]), dtype=np.uint8)
         self.gathered = np.empty(int(self.wire.sum()), dtype=np.uint8)
-        self.gather_counts = np.full(size, self.wire[rank], dtype=np.int64)  # this rank's chunk to everyone
-        self.zeros = np.zeros(size, dtype=np.int64)
-        self.req: Any = None
 
     def chunk(self, i: int) -> slice:
         lo = self.start + int(self.counts[:i].sum())
@@ -216,6 +211,28 @@ def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> _Plan
     return plan
 
 
+_p2p: dict[tuple[int, int], Any] = {}
+_TAGS = 32000  # MPI guarantees tags up to 32767; segments this far apart are never in flight together
+
+
+def _p2p_comm(comm: Communicator) -> Any:
+    """Return this communicator's private duplicate for the pipeline's point-to-point messages.
+
+    Its own context keeps the pipeline's tags apart from the application's messages.
+    The first compressed all-reduce on ``comm`` creates it (a collective call, made
+    by every rank at the same point, like the all-reduce itself).
+    """
+    key = (id(comm), comm.uid)
+    dup = _p2p.get(key)
+    if dup is None:
+        dup = _p2p[key] = comm.mpi.Dup()
+    return dup
+
+
+def _tag(segment: int, phase: int) -> int:
+    return (2 * segment + phase) % _TAGS
+
+
 class _Run:
     """One compressed all-reduce over a flat FP32 vector."""
 
@@ -254,39 +271,54 @@ class _Run:
         self.times["decode"] += _perf() - t
         self._progress()
 
-    def _start(self, req: Any) -> Any:
-        self.inflight.append(req)
-        return req
+    def _start(self, reqs: list[Any]) -> list[Any]:
+        self.inflight.extend(reqs)
+        return reqs
 
-    def _wait(self, req: Any) -> None:
+    def _wait(self, reqs: list[Any]) -> None:
         t = _perf()
         with self.comm.watched("compressed_allreduce", self.key if isinstance(self.key, str) else None):
-            wait_requests([req])
-        self.inflight = [r for r in self.inflight if r is not req]  # identity: finished requests compare equal
+            wait_requests(reqs)
+        done = {id(r) for r in reqs}
+        self.inflight = [r for r in self.inflight if id(r) not in done]  # identity: finished requests compare equal
         self.times["transfer"] += _perf() - t
 
     def pipelined(self, flat: np.ndarray, result: np.ndarray, segment_bytes: int) -> None:
         comm, size, rank = self.comm, self.comm.size, self.comm.rank
         plan = _plan(comm, self.codec, flat.size, segment_bytes)
         segs, acc = plan.segs, plan.acc
+        mpi = _p2p_comm(comm)
+        peers = [r for r in range(size) if r != rank]
+        recvs: dict[tuple[int, int], list[Any]] = {}  # (segment, phase) -> receive requests
+        sends: dict[tuple[int, int], list[Any]] = {}
+
+        def post_receives(i: int) -> None:
+            # Receives go up before the peers' sends leave: a message that finds no posted
+            # receive is an "unexpected" one, which libfabric's tcp provider holds only up
+            # to 64 KiB (max_saved_size); a longer one stalls its connection until the
+            # receive is posted, costing ms per call when the receiver is busy encoding.
+            seg = segs[i]
+            w = int(seg.wire[rank])
+            recvs[i, 0] = self._start([mpi.Irecv(seg.recv[r * w:(r + 1) * w], source=r, tag=_tag(i, 0))
+                                       for r in peers])
+            recvs[i, 1] = self._start([mpi.Irecv(seg.gathered[int(seg.offsets[r]):int(seg.offsets[r] + seg.wire[r])],
+                                                 source=r, tag=_tag(i, 1)) for r in peers])
 
         def start_exchange(i: int) -> None:
             seg = segs[i]
-            for r in range(size):
-                if r == rank:
-                    continue  # this rank reduces its own chunk from the FP32 input: nothing to encode
+            reqs = []
+            for r in peers:  # this rank reduces its own chunk from the FP32 input: nothing to encode
                 o = int(seg.offsets[r])
                 self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])], (self.key, "w", i, r))
-            w = int(seg.wire[rank])
-            recv_spec = [seg.recv, ([w] * size, [w * r for r in range(size)])]
-            seg.req = self._start(comm.mpi.Ialltoallv([seg.send, (seg.wire, seg.offsets)], recv_spec))
+                reqs += self._start([mpi.Isend(seg.send[o:o + int(seg.wire[r])], dest=r, tag=_tag(i, 0))])
+            sends[i, 0] = reqs
             # Counted like a plain all-reduce's message: this rank's encoded tensor
             # (the re-encoded chunk of the gather phase adds 1/P of it on the wire).
             self.wire_sent += int(seg.wire.sum())
 
         def reduce_and_gather(i: int) -> None:
             seg = segs[i]
-            self._wait(seg.req)
+            self._wait(recvs.pop((i, 0)) + sends.pop((i, 0)))
             m, w = int(seg.counts[rank]), int(seg.wire[rank])
             total = acc[:m]
             # The sum starts from this rank's own chunk in FP32 (the input is not yet
@@ -298,26 +330,29 @@ class _Run:
                     self._decode_add(seg.recv[r * w:(r + 1) * w], m, total)
             if self.average:
                 np.multiply(total, np.float32(1.0 / size), out=total)
-            self._encode(total, seg.mine, (self.key, "s", i))
-            # The gather sends the chunk straight to every rank (an Alltoallv whose send
-            # blocks all start at 0) rather than Iallgatherv: MPICH's ring and recursive
-            # doubling forward chunks through other ranks, each of which must be inside
-            # MPI to pass them on; direct sends need no forwarding (same bytes; on 4 lab
-            # hosts at 1 Gbit/s, 64 MiB NVFP4 took 131-134 ms instead of 135-140 ms).
-            same = (seg.gather_counts, seg.zeros)
-            seg.req = self._start(comm.mpi.Ialltoallv([seg.mine, same], [seg.gathered, (seg.wire, seg.offsets)]))
+            o = int(seg.offsets[rank])
+            self._encode(total, seg.gathered[o:o + w], (self.key, "s", i))
+            # The gather sends the chunk straight to every rank rather than by an
+            # all-gather: MPICH's ring and recursive doubling forward chunks through
+            # other ranks, each of which must be inside MPI to pass them on.
+            sends[i, 1] = self._start([mpi.Isend(seg.gathered[o:o + w], dest=r, tag=_tag(i, 1)) for r in peers])
 
         def finish(i: int) -> None:
             seg = segs[i]
-            self._wait(seg.req)
+            self._wait(recvs.pop((i, 1)) + sends.pop((i, 1)))
             for r in range(size):
                 o = int(seg.offsets[r])
                 self._decode(seg.gathered[o:o + int(seg.wire[r])], int(seg.counts[r]), result[seg.chunk(r)])
 
         # Order matters when `result` is the input's own memory (in place): segment
         # i-1 is written back only after segments up to i+1 have been encoded.
+        # Receives are posted two segments ahead: no peer gets further ahead than that.
+        for i in range(min(2, len(segs))):
+            post_receives(i)
         start_exchange(0)
         for i in range(len(segs)):
+            if i + 2 < len(segs):
+                post_receives(i + 2)
             if i + 1 < len(segs):
                 start_exchange(i + 1)
             reduce_and_gather(i)
@@ -331,7 +366,7 @@ class _Run:
         mine = np.empty(w, dtype=np.uint8)
         every = np.empty(w * size, dtype=np.uint8)
         self._encode(flat, mine, (self.key, "g"))
-        self._wait(comm.mpi.Iallgather(mine, every))
+        self._wait([comm.mpi.Iallgather(mine, every)])
         self.wire_sent += w  # this rank's message: its encoded tensor
         t = _perf()
         result.fill(0.0)
