@@ -41,7 +41,7 @@ from .base import Codec
 __all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_BYTES", "PEER_CHOICES",
            "SMALL_BYTES", "segment_bytes_for", "tuned_segment_bytes"]
 
-PEER_CHOICES = (16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10)
+PEER_CHOICES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10)
 """Payload bytes one rank sends one peer per pipeline segment, tried by the segment tuner.
 
 The best segment depends on the network: on 4 lab hosts at 1 Gbit/s (MPICH over
@@ -54,6 +54,8 @@ and keep the fastest (see ``_Tuner``); ``segment_bytes=`` fixes a size instead.
 Fixing the message, not the FP32 segment, keeps it the same at any rank count."""
 TUNE_ROUNDS = 5
 """Consecutive calls per candidate segment size; the median of all but the first two counts."""
+TUNE_MARGIN = 0.05
+"""A larger segment is chosen only when it is this much faster than every smaller one."""
 PEER_BYTES = 32 << 10
 """The per-peer payload of the segment used before tuning is possible (``segment_bytes_for``'s default)."""
 SMALL_BYTES = 64 << 10
@@ -176,7 +178,9 @@ class _Tuner:
         mine = np.array([float(np.median(self.times[opt][2:] or self.times[opt])) for opt in self.options])
         slowest = np.empty_like(mine)
         comm.mpi.Allreduce(mine, slowest, op=MPI.MAX)
-        self.chosen = self.options[int(np.argmin(slowest))]
+        # The smallest segment within TUNE_MARGIN of the fastest: longer messages are the
+        # ones that stall on a busy receiver (see PEER_CHOICES), so only a clear gain pays.
+        self.chosen = next(opt for opt, t in zip(self.options, slowest) if t <= slowest.min() * (1 + TUNE_MARGIN))
         for opt in self.options:  # free the scratch buffers of the sizes not chosen
             if opt != self.chosen:
                 _plans.pop((id(comm), comm.uid, self.codec_spec, self.n, opt), None)
