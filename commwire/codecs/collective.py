@@ -53,7 +53,10 @@ overhead dominates and 4 MiB segments were fastest (FP8 at 64 MiB: 82 ms vs
 and keep the fastest (see ``_Tuner``); ``segment_bytes=`` fixes a size instead.
 Fixing the message, not the FP32 segment, keeps it the same at any rank count."""
 TUNE_ROUNDS = 5
-"""Consecutive calls per candidate segment size; the median of all but the first two counts."""
+"""Consecutive calls per candidate segment size; the mean of all but the first two counts."""
+FIRST_PEER_BYTES = 32 << 10
+"""Payload bytes per peer of a call's first segment, below libfabric tcp's 64 KiB limit for
+messages that arrive before their receive is posted."""
 TUNE_MARGIN = 0.05
 """A larger segment is chosen only when it is this much faster than every smaller one."""
 PEER_BYTES = 32 << 10
@@ -116,9 +119,17 @@ def segment_bytes_for(codec: Codec, size: int, peer_bytes: int = PEER_BYTES) -> 
     return max(_ALIGN * size * 4, int(peer_bytes * size / per_elem) * 4)
 
 
-def _segments(n: int, size: int, segment_bytes: int) -> list[tuple[int, int]]:
-    step = max(_ALIGN * size, (segment_bytes // 4) // (_ALIGN * size) * (_ALIGN * size))
-    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+def _segments(n: int, size: int, segment_bytes: int, first_bytes: int | None = None) -> list[tuple[int, int]]:
+    """Cut ``n`` elements into pipeline segments of ``segment_bytes``, the first one at most ``first_bytes``."""
+    unit = _ALIGN * size
+
+    def elems(nbytes: int) -> int:
+        return max(unit, (nbytes // 4) // unit * unit)
+
+    step = elems(segment_bytes)
+    first = min(step, elems(first_bytes)) if first_bytes else step
+    cuts = [0, *range(first, n, step)] if first < n else [0]
+    return [(a, min(b, n)) for a, b in zip(cuts, [*cuts[1:], n])] if n else [(0, 0)]
 
 
 class _Plan:
@@ -130,7 +141,11 @@ class _Plan:
 
     def __init__(self, comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> None:
         size, rank = comm.size, comm.rank
-        self.segs = [_Segment(codec, a, b, size, rank) for a, b in _segments(n, size, segment_bytes)]
+        # The first segment's messages may reach a peer still busy with its previous call,
+        # before it has posted their receives: kept within FIRST_PEER_BYTES they are
+        # buffered on arrival instead of stalling the connection (see PEER_CHOICES).
+        first = segment_bytes_for(codec, size, FIRST_PEER_BYTES)
+        self.segs = [_Segment(codec, a, b, size, rank) for a, b in _segments(n, size, segment_bytes, first)]
         self.acc = np.empty(int(max(s.counts[rank] for s in self.segs)), dtype=_F32)
 
 
@@ -152,7 +167,11 @@ class _Tuner:
     def __init__(self, codec: Codec, size: int, n: int) -> None:
         self.codec_spec, self.n = codec.spec, n
         whole = max(_ALIGN * size, n) * 4
-        self.options = sorted({min(segment_bytes_for(codec, size, peer), whole) for peer in PEER_CHOICES})
+        options: dict[int, int] = {}  # segment count -> the first candidate giving it
+        for peer in PEER_CHOICES:
+            seg = min(segment_bytes_for(codec, size, peer), whole)
+            options.setdefault(len(_segments(n, size, seg)), seg)
+        self.options = sorted(options.values())
         self.times: dict[int, list[float]] = {opt: [] for opt in self.options}
         self.chosen: int | None = self.options[0] if len(self.options) == 1 else None
         self.calls = 0
@@ -173,9 +192,10 @@ class _Tuner:
             return
         from mpi4py import MPI
 
-        # the first calls of a block pay for the switch (new buffers, a different message
-        # pattern, a token bucket still full): steady state is what training sees
-        mine = np.array([float(np.median(self.times[opt][2:] or self.times[opt])) for opt in self.options])
+        # The first calls of a block pay for the switch (new buffers, a different message
+        # pattern, a token bucket still full): the steady state is what training sees, and
+        # its mean, not median, so that an option that stalls now and then is charged for it.
+        mine = np.array([float(np.mean(self.times[opt][2:] or self.times[opt])) for opt in self.options])
         slowest = np.empty_like(mine)
         comm.mpi.Allreduce(mine, slowest, op=MPI.MAX)
         # The smallest segment within TUNE_MARGIN of the fastest: longer messages are the

@@ -154,7 +154,7 @@ def test_non_finite_stays_visible():
 
 
 def test_segment_tuner_decides_the_same_size_on_every_rank():
-    n = 300_000  # a size no other test uses: a fresh tuner
+    n = 1_500_000  # a size no other test uses: a fresh tuner, with several candidate segments
     x = gaussian(n, COMM.rank, seed=11)
     want = reference(n, "sum", seed=11)
     calls = 0
