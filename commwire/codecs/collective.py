@@ -5,7 +5,8 @@ values (the scheme of DeepSpeed's 1-bit Adam, Bagua and torchft's FP8 path):
 
 1. every rank encodes chunk i of its tensor for rank i (one scale per chunk),
    except its own chunk, which it keeps in FP32;
-2. Alltoallv: rank j receives every other rank's encoding of chunk j;
+2. exchange (point to point, receives posted ahead): rank j receives every
+   other rank's encoding of chunk j;
 3. rank j decodes them and sums them with its own FP32 chunk (``avg`` divides
    here), then re-encodes its reduced chunk;
 4. every rank sends its re-encoded chunk to all ranks (an all-gather done as
@@ -14,7 +15,8 @@ values (the scheme of DeepSpeed's 1-bit Adam, Bagua and torchft's FP8 path):
 
 Large tensors are cut into pipeline segments: while segment k's payloads are
 in flight, segment k+1 is being encoded and segment k-1 decoded, so codec time
-hides behind transfer time. Small tensors (below ``small_bytes``) take one
+hides behind transfer time. The segment size is tuned per tensor size on the
+first calls (``PEER_CHOICES``). Small tensors (below ``small_bytes``) take one
 Allgather of whole encoded tensors instead (one round trip, latency-bound).
 
 Error-feedback codecs keep one residual per (tensor name, segment, chunk) on
