@@ -427,10 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\ncompressed all-reduce (codec throughput measured here, one process):")
         print("| nodes | size | codec | measured ms | predicted ms | error | speedup measured | predicted |\n"
               "|---|---|---|---|---|---|---|---|")
-        for r in validate_codec(model, codec_rows, measured_rates):
+        checked = validate_codec(model, codec_rows, measured_rates)
+        for r in checked:
             print(f"| {r['nodes']} | {r['bytes']:.0f} B | {r['codec']} | {r['codec_s'] * 1e3:.2f} | "
                   f"{r['predicted_s'] * 1e3:.2f} | {r['error']:+.0%} | {r['speedup']:.2f}x | "
                   f"{r['predicted_speedup']:.2f}x |")
+        for p in sorted({r["nodes"] for r in checked}):
+            errs = [abs(r["error"]) for r in checked if r["nodes"] == p]
+            print(f"{p} nodes: max |error| of {len(errs)} compressed rows {max(errs):.0%}, "
+                  f"mean {sum(errs) / len(errs):.0%}")
     if model is not None:
         model = model.alone()  # a cluster: one rank per node
     alpha = _parse_latency(args.latency) if args.latency else (model.alpha if model else None)
