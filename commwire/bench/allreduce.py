@@ -97,9 +97,9 @@ def run_allreduce_bench(
 
         ours()  # first call: JIT compilation, buffers, lane: not part of the phase split
         if codec is not None:  # let the segment tuner settle first, as it does in the first steps of training
-            from ..codecs.collective import PEER_CHOICES, TUNE_ROUNDS, tuned_segment_bytes
+            from ..codecs.collective import TUNE_CALLS, tuned_segment_bytes
 
-            for _ in range(TUNE_ROUNDS * len(PEER_CHOICES)):
+            for _ in range(TUNE_CALLS):
                 if tuned_segment_bytes(comm, codec, n) is not None:
                     break
                 ours()

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs.collective import PEER_BYTES, PEER_CHOICES  # payload bytes per peer per pipeline segment
+from ..codecs.collective import PEER_CHOICES, segment_bytes_at  # the all-reduce's own segment rule
 
 __all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "validate_codec", "main",
            "INJECT_BYTES", "segment_bytes"]
@@ -148,10 +148,15 @@ def _rounds(nbytes: float, p: int) -> list[float]:
     return msgs
 
 
+def _counts(msgs: list[float]) -> tuple[int, int, float]:
+    """Return (inline rounds, longer rounds, bytes each rank sends) of rounds of ``msgs`` bytes."""
+    inline = sum(m <= INJECT_BYTES for m in msgs)
+    return inline, len(msgs) - inline, float(sum(msgs))
+
+
 def _terms(nbytes: float, p: int) -> tuple[int, int, float]:
     """Return (inline rounds, longer rounds, bytes each rank sends) of the all-reduce."""
-    msgs = _rounds(nbytes, p)
-    return sum(m <= INJECT_BYTES for m in msgs), sum(m > INJECT_BYTES for m in msgs), float(sum(msgs))
+    return _counts(_rounds(nbytes, p))
 
 
 def _combine(m: LinkModel, latency: float, transfer: float) -> float:
@@ -164,9 +169,9 @@ def allreduce_seconds(m: LinkModel, nbytes: float, p: int) -> float:
     return _combine(m, latency, sum(b * m.byte_s(p, b) for b in _rounds(nbytes, p)))
 
 
-def segment_bytes(p: int, wire_ratio: float, peer_bytes: int = PEER_BYTES) -> float:
+def segment_bytes(p: int, wire_ratio: float, peer_bytes: int) -> float:
     """Return the FP32 bytes of one pipeline segment: ``peer_bytes`` of payload to each of ``p`` ranks."""
-    return max(512.0 * p, peer_bytes * p / wire_ratio)
+    return float(segment_bytes_at(wire_ratio, p, peer_bytes))
 
 
 def _pipelined_seconds(m: LinkModel, nbytes: float, p: int, wire_ratio: float, cpu: float, seg: float) -> float:
@@ -211,18 +216,19 @@ def _nonneg_lstsq(a: np.ndarray) -> np.ndarray:
     return x
 
 
-def _fit_fixed(samples: list[tuple[int, float, float]], proto: LinkModel) -> LinkModel | None:
+def _fit_fixed(samples: list[tuple[int, list[float], float]], proto: LinkModel) -> LinkModel | None:
     """Fit α, α_large, β with the sharing exponents of ``proto`` fixed.
 
     Linear in the three coefficients, except that a token bucket takes the larger of
     latency and transfer: each sample is assigned to the term that dominates it,
-    both sides fitted, and the assignment repeated until it settles.
+    both sides fitted, and the assignment repeated until it settles. ``samples`` are
+    (nodes, message bytes of each round, seconds).
     """
     terms = []
-    for p, n, t in samples:
-        r1, r2, _ = _terms(n, p)
+    for p, msgs, t in samples:
+        r1, r2, _ = _counts(msgs)
         ls = proto.crowding(p) ** proto.latency_share
-        v = sum(b * proto.byte_s(p, b) for b in _rounds(n, p))  # proto.beta = 1: bytes, weighted by sharing
+        v = sum(b * proto.byte_s(p, b) for b in msgs)  # proto.beta = 1: bytes, weighted by sharing
         terms.append((np.array([r1 * ls / t, r2 * ls / t]), v / t))
     side: list[str | None] = [None] * len(terms)  # None: both terms add (no bucket)
     if proto.token_bucket:  # start: the half with the most bytes per round is bandwidth-bound
@@ -270,12 +276,13 @@ def fit(samples: list[tuple[int, float, float]], cores: int | None = None,
     shared = cores is not None and any(p > cores for p, _, _ in samples)
     grid_a = np.round(np.arange(0.0, 2.001, 0.05), 2) if shared else [0.0]
     grid_b = np.round(np.arange(0.0, 1.001, 0.05), 2) if shared else [0.0]
+    rounds = [(p, _rounds(n, p), t) for p, n, t in samples]  # the same for every grid point
     best: tuple[float, LinkModel] | None = None
     for ka in grid_a:
         for kb in grid_b:
             proto = LinkModel(alpha=0.0, beta=1.0, cores=cores, latency_share=float(ka),
                               bandwidth_share=float(kb), token_bucket=token_bucket)
-            m = _fit_fixed(samples, proto)
+            m = _fit_fixed(rounds, proto)
             if m is not None:
                 err = _rms_error(m, samples)
                 if best is None or err < best[0] - 1e-12:

@@ -105,11 +105,11 @@ def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, step
     times: dict[str, list[float]] = {label: [] for label, *_ in runners}
     wire: dict[str, int] = {label: 0 for label, *_ in runners}
     calls: dict[str, int] = {label: 0 for label, *_ in runners}
-    from ..codecs.collective import PEER_CHOICES, TUNE_ROUNDS
+    from ..codecs.collective import TUNE_CALLS
 
     for label, step, *_ in runners:  # warm-up: allocations, lanes, numba compilation
         # compressed buckets also tune their pipeline segment in their first calls
-        for i in range(2 + (TUNE_ROUNDS * len(PEER_CHOICES) if "fp32" not in label else 0)):
+        for i in range(2 + (TUNE_CALLS if "fp32" not in label else 0)):
             step(i)
     for label, step, opt, _ in runners:
         if hasattr(opt, "_fusion"):

@@ -40,8 +40,8 @@ from ..comm.handle import wait_requests
 from ..comm.lane import lane_for
 from .base import Codec
 
-__all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_BYTES", "PEER_CHOICES",
-           "SMALL_BYTES", "segment_bytes_for", "tuned_segment_bytes"]
+__all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_CHOICES", "TUNE_CALLS",
+           "SMALL_BYTES", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes"]
 
 PEER_CHOICES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10)
 """Payload bytes one rank sends one peer per pipeline segment, tried by the segment tuner.
@@ -56,13 +56,13 @@ and keep the fastest (see ``_Tuner``); ``segment_bytes=`` fixes a size instead.
 Fixing the message, not the FP32 segment, keeps it the same at any rank count."""
 TUNE_ROUNDS = 5
 """Consecutive calls per candidate segment size; the mean of all but the first two counts."""
+TUNE_CALLS = TUNE_ROUNDS * len(PEER_CHOICES)
+"""The most calls of one tensor size before the tuner has decided (warm up this many)."""
 FIRST_PEER_BYTES = 32 << 10
 """Payload bytes per peer of a call's first segment, below libfabric tcp's 64 KiB limit for
 messages that arrive before their receive is posted."""
 TUNE_MARGIN = 0.05
 """A larger segment is chosen only when it is this much faster than every smaller one."""
-PEER_BYTES = 32 << 10
-"""The per-peer payload of the segment used before tuning is possible (``segment_bytes_for``'s default)."""
 SMALL_BYTES = 64 << 10
 """Below this many FP32 bytes the single-Allgather variant is used."""
 _ALIGN = 128  # chunk boundaries fall on whole quantisation blocks (NVFP4: 16, block FP8: up to 128)
@@ -115,10 +115,15 @@ class _Segment:
         return slice(lo, lo + int(self.counts[i]))
 
 
-def segment_bytes_for(codec: Codec, size: int, peer_bytes: int = PEER_BYTES) -> int:
+def segment_bytes_at(wire_ratio: float, size: int, peer_bytes: int) -> int:
+    """Return the FP32 bytes per pipeline segment that send ``peer_bytes`` to each of ``size`` ranks
+    when the payload is ``wire_ratio`` bytes per FP32 byte (at least one aligned chunk per rank)."""
+    return max(_ALIGN * size * 4, int(peer_bytes * size / wire_ratio / 4) * 4)
+
+
+def segment_bytes_for(codec: Codec, size: int, peer_bytes: int) -> int:
     """Return the FP32 bytes per pipeline segment that send ``peer_bytes`` of ``codec`` payload to each peer."""
-    per_elem = codec.wire_nbytes(1 << 20) / (1 << 20)
-    return max(_ALIGN * size * 4, int(peer_bytes * size / per_elem) * 4)
+    return segment_bytes_at(codec.wire_nbytes(1 << 20) / (4 << 20), size, peer_bytes)
 
 
 def _segments(n: int, size: int, segment_bytes: int, first_bytes: int | None = None) -> list[tuple[int, int]]:
@@ -155,13 +160,27 @@ _plans: dict[tuple[Any, ...], _Plan] = {}
 _MAX_PLANS = 64
 
 
+def _comm_key(comm: Communicator) -> tuple[int, int]:
+    return (id(comm), comm.uid)
+
+
+def _cached(store: dict[tuple[Any, ...], Any], key: tuple[Any, ...], make: Any) -> Any:
+    """Return ``store[key]``, made by ``make()`` on first use; the oldest entry goes past ``_MAX_PLANS``."""
+    found = store.get(key)
+    if found is None:
+        if len(store) >= _MAX_PLANS:
+            store.pop(next(iter(store)))
+        found = store[key] = make()
+    return found
+
+
 class _Tuner:
     """Choose the pipeline segment of one (communicator, codec, size) by timing its first calls.
 
     Each candidate (one per ``PEER_CHOICES`` entry, capped at the whole tensor) runs
     ``TUNE_ROUNDS`` consecutive calls (steady state, as in training, not a pattern
-    alternating with the other candidates); then one all-reduce of the candidates' best times
-    (the slowest rank's) picks the same segment on every rank. Every rank makes the
+    alternating with the other candidates); then one all-reduce of the candidates' mean
+    times (the slowest rank's) picks the same segment on every rank. Every rank makes the
     same sequence of calls, so they decide on the same call; until then results are
     as correct as ever, only the speed varies.
     """
@@ -205,36 +224,25 @@ class _Tuner:
         self.chosen = next(opt for opt, t in zip(self.options, slowest) if t <= slowest.min() * (1 + TUNE_MARGIN))
         for opt in self.options:  # free the scratch buffers of the sizes not chosen
             if opt != self.chosen:
-                _plans.pop((id(comm), comm.uid, self.codec_spec, self.n, opt), None)
+                _plans.pop((*_comm_key(comm), self.codec_spec, self.n, opt), None)
 
 
 _tuners: dict[tuple[Any, ...], _Tuner] = {}
 
 
 def _tuner(comm: Communicator, codec: Codec, n: int) -> _Tuner:
-    key = (id(comm), comm.uid, codec.spec, n)
-    tuner = _tuners.get(key)
-    if tuner is None:
-        if len(_tuners) >= _MAX_PLANS:
-            _tuners.pop(next(iter(_tuners)))
-        tuner = _tuners[key] = _Tuner(codec, comm.size, n)
-    return tuner
+    return _cached(_tuners, (*_comm_key(comm), codec.spec, n), lambda: _Tuner(codec, comm.size, n))
 
 
 def tuned_segment_bytes(comm: Communicator, codec: Any, n: int) -> int | None:
     """Return the segment bytes the tuner chose for ``n`` float32 elements of ``codec``, or None while tuning."""
-    tuner = _tuners.get((id(comm), comm.uid, resolve_codec(codec).spec, int(n)))
+    tuner = _tuners.get((*_comm_key(comm), resolve_codec(codec).spec, int(n)))
     return tuner.chosen if tuner is not None else None
 
 
 def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> _Plan:
-    key = (id(comm), comm.uid, codec.spec, n, segment_bytes)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.pop(next(iter(_plans)))  # drop the oldest
-        plan = _plans[key] = _Plan(comm, codec, n, segment_bytes)
-    return plan
+    return _cached(_plans, (*_comm_key(comm), codec.spec, n, segment_bytes),
+                   lambda: _Plan(comm, codec, n, segment_bytes))
 
 
 _p2p: dict[tuple[int, int], Any] = {}
@@ -248,7 +256,7 @@ def _p2p_comm(comm: Communicator) -> Any:
     The first compressed all-reduce on ``comm`` creates it (a collective call, made
     by every rank at the same point, like the all-reduce itself).
     """
-    key = (id(comm), comm.uid)
+    key = _comm_key(comm)
     dup = _p2p.get(key)
     if dup is None:
         dup = _p2p[key] = comm.mpi.Dup()
@@ -459,15 +467,14 @@ def compressed_allreduce(
     run = _Run(comm, codec, key, op != "sum")
     if small:
         run.gathered(flat, result)
+    elif segment_bytes:
+        run.pipelined(flat, result, segment_bytes)
     else:
-        if segment_bytes:
-            run.pipelined(flat, result, segment_bytes)
-        else:
-            tuner = _tuner(comm, codec, flat.size)
-            seg = tuner.next()
-            t0 = _perf()
-            run.pipelined(flat, result, seg)
-            tuner.record(comm, seg, _perf() - t0)
+        tuner = _tuner(comm, codec, flat.size)
+        seg = tuner.next()
+        t0 = _perf()
+        run.pipelined(flat, result, seg)
+        tuner.record(comm, seg, _perf() - t0)
     codec.tensor_inverse(result, key)
     adapter.release(host)
     if direct is not None:
