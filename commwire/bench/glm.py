@@ -264,20 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per row (median kept)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the data sets' row counts")
     parser.add_argument("--seed", type=int, default=0, help="data and batch seed")
-    parser.add_argument("--blas-threads", type=int, default=1,
-                        help="BLAS threads per rank (ranks usually fill the cores already)")
+    parser.add_argument("--blas-threads", type=int, default=None,
+                        help="BLAS (and codec) threads per rank; default: this rank's share of the cores")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
-    from threadpoolctl import threadpool_limits
-
     import commwire as cw
+    from ..codecs import set_threads
 
     names = [v for v in args.datasets.split(",") if v.strip()]
     sweep = [v for v in args.sweep.split(",") if v.strip()]
-    with threadpool_limits(limits=args.blas_threads, user_api="blas"):
-        rows = run_glm_bench(datasets=names, sweep=sweep, s=args.s, b=args.b, s_values=_ints(args.s_values),
-                             b_values=_ints(args.b_values), steps=args.steps, sweep_steps=args.sweep_steps,
-                             repeats=args.repeats, scale=args.scale, seed=args.seed)
+    if args.blas_threads is not None:
+        set_threads(args.blas_threads)  # the solver limits BLAS to this (commwire.codecs thread policy)
+    rows = run_glm_bench(datasets=names, sweep=sweep, s=args.s, b=args.b, s_values=_ints(args.s_values),
+                         b_values=_ints(args.b_values), steps=args.steps, sweep_steps=args.sweep_steps,
+                         repeats=args.repeats, scale=args.scale, seed=args.seed)
     emit(format_table(rows), rows, args.json_path, rank=cw.rank())
     return 0
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs._threads import blas_threads
 from ..schedules import SStepGram
 from . import _losses
 from .data import ColumnBlocks
@@ -408,12 +409,13 @@ def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any
         cfg = dataclasses.replace(config, **params)
     comm = _resolve(comm)
     y = _check_blocks(blocks, cfg, comm)
-    engine = _Engine(blocks, y, cfg, comm)
-    if comm.size > 1:
-        # Ranks finish the setup (a BF16 copy of X takes a few hundred ms) at different
-        # times; start the clocks together so time_s is the training loop, not that skew.
-        comm.barrier()
-    return engine.run(int(blocks.X.shape[0]))
+    with blas_threads():  # this rank's share of the cores, not one BLAS thread per core per rank
+        engine = _Engine(blocks, y, cfg, comm)
+        if comm.size > 1:
+            # Ranks finish the setup (a BF16 copy of X takes a few hundred ms) at different
+            # times; start the clocks together so time_s is the training loop, not that skew.
+            comm.barrier()
+        return engine.run(int(blocks.X.shape[0]))
 
 
 def margins(blocks: ColumnBlocks, coef: Any, intercept: float = 0.0, *, comm: Any = None,
