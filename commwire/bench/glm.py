@@ -10,7 +10,10 @@ is reported in full, including the configurations where CA-SGD loses.
 The benchmark uses whatever MPI world it is launched in, so the same command
 measures shared memory on one host (``mpiexec -n 4``) and TCP between hosts
 (the ``commwire lab`` namespaces). The header line gives the measured latency
-of a 16-float allreduce, which tells the two regimes apart.
+of a 16-float allreduce, which tells the two regimes apart. Each row also gives
+the loop's compute alone (every rank in turn runs it on its own block with no
+communication while the others sleep): ``commwire bench project --glm`` models
+the step time from it.
 
 Run: ``commwire bench glm -np 4`` or ``mpiexec -n 4 python -m commwire.bench.glm``.
 """
@@ -95,13 +98,45 @@ def _max() -> Any:
     return MPI.MAX
 
 
+def _turn_wait(comm: Any) -> None:
+    """Wait for the other ranks without spinning (a sleeping poll), so a rank timing alone has its core."""
+    req = comm.mpi.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def _compute_alone(blocks: Any, configs: list[Any], comm: Any, repeats: int) -> list[float]:
+    """Return each configuration's training-loop time with no communication (slowest rank's block).
+
+    Each rank in turn runs the solver on its own column block over a one-rank
+    communicator while the others sleep, so the time is this block's compute and the
+    solver's own overhead, unshared: the cost model's per-rank compute term. The
+    fastest of ``repeats`` runs is kept, as another process can only add time.
+    """
+    from mpi4py import MPI
+
+    from ..comm import Communicator
+    from ..glm import solve
+
+    alone = Communicator(MPI.COMM_SELF, check=False, uid="bench-glm-alone")
+    best = [0.0] * len(configs)
+    for turn in range(comm.size):
+        _turn_wait(comm)
+        if turn == comm.rank:
+            for i, cfg in enumerate(configs):
+                best[i] = min(solve(blocks, cfg, comm=alone).time_s for _ in range(repeats))
+    _turn_wait(comm)
+    return [comm.mpi.allreduce(t, op=_max()) for t in best]
+
+
 def _measure(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]], repeats: int,
              seed: int) -> list[dict[str, Any]]:
     """Time every configuration of one data set; return their rows (before the comparisons).
 
     Runs are interleaved, one pass over the plan per repeat, so that load from other
     processes hits every configuration alike; each row keeps the median over repeats
-    of the slowest rank's training-loop time.
+    of the slowest rank's training-loop time, and ``compute_s``, the same loop run
+    alone on one rank's block (see ``_compute_alone``).
     """
     import commwire as cw
     from ..glm import SolverConfig, objective, solve
@@ -122,9 +157,10 @@ def _measure(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]]
             after = cw.stats()["allreduce"]
             last[i] = (result, after["calls"] - before["calls"], after["bytes"] - before["bytes"])
             times[i].append(comm.mpi.allreduce(result.time_s, op=_max()))
+    compute = _compute_alone(blocks, configs, comm, repeats)
     rows = []
-    for (table, solver, precision, k, b, steps), cfg, samples, (result, calls, nbytes) in zip(
-            plan, configs, times, last):
+    for (table, solver, precision, k, b, steps), cfg, samples, (result, calls, nbytes), alone in zip(
+            plan, configs, times, last, compute):
         wall = float(np.median(samples))
         itemsize = cfg.precision.dtype("communication").itemsize
         rows.append({
@@ -132,6 +168,7 @@ def _measure(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]]
             "b": b, "steps": steps, "ranks": comm.size, "wall_s": wall, "us_per_step": wall / steps * 1e6,
             "wall_best_s": float(min(samples)), "wall_samples_s": samples, "allreduces": calls, "bytes": nbytes,
             "bytes_per_outer": SStepGram.words(cfg.steps_per_exchange, b) * itemsize,
+            "compute_s": alone, "compute_us_per_step": alone / steps * 1e6,
             "loss": objective(blocks, result.coef, result.intercept, loss=spec.loss, l2=spec.l2, comm=comm),
         })
     return rows
@@ -219,12 +256,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no rows)"
     head = ["data set", "m x n", "solver", "precision", "s", "b", "steps", "wall s", "spread", "µs/step",
-            "allreduces", "bytes/rank", "bytes/outer", "final loss", "loss gap", "speed-up vs FP32 SGD",
+            "compute µs/step", "allreduces", "bytes/rank", "bytes/outer", "final loss", "loss gap", "speed-up vs FP32 SGD",
             "best-of speed-up"]
     before, after = rows[0]["small_allreduce_us"]
     out = [f"{rows[0]['ranks']} ranks; a 16-float allreduce took {before:.1f} µs before the runs and "
            f"{after:.1f} µs after them (median, slowest rank). Wall time: median of the interleaved "
-           f"repeats of the slowest rank's training loop; spread: (max - min) / median."]
+           f"repeats of the slowest rank's training loop; spread: (max - min) / median; compute: the same "
+           f"loop alone on the slowest rank's block, no communication (the cost model's compute term)."]
     for table in ("headline", "sweep"):
         part = [r for r in rows if r["table"] == table]
         if not part:
@@ -233,7 +271,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         for r in part:
             out.append("| " + " | ".join([
                 r["dataset"], f"{r['m']} x {r['n']}", r["solver"], r["precision"], str(r["s"]), str(r["b"]),
-                str(r["steps"]), f"{r['wall_s']:.3f}", _spread(r), f"{r['us_per_step']:.1f}", str(r["allreduces"]),
+                str(r["steps"]), f"{r['wall_s']:.3f}", _spread(r), f"{r['us_per_step']:.1f}",
+                f"{r['compute_us_per_step']:.1f}", str(r["allreduces"]),
                 _human(r["bytes"]), _human(r["bytes_per_outer"]), f"{r['loss']:.6f}",
                 f"{100 * r['loss_gap_vs_sgd_fp32']:+.3f}%", f"{r['speedup_vs_sgd_fp32']:.2f}x",
                 f"{r['best_speedup_vs_sgd_fp32']:.2f}x",

@@ -82,8 +82,9 @@ class LinkModel:
     ``alpha`` is a round with an inline message (≤ ``INJECT_BYTES``), ``alpha_large``
     one with a longer message (None: the same as ``alpha``). With ``cores`` (the
     cores P ranks share), latencies scale by g^latency_share and β by
-    g^bandwidth_share, g = max(1, P/cores). ``token_bucket``: the link is a tbf
-    shaper (the lab), so latency and transfer overlap, T = max(L, V·β).
+    g^bandwidth_share, g = max(1, P/cores), and a training loop's compute by
+    compute_scale · g^compute_share (see ``step_seconds``). ``token_bucket``: the
+    link is a tbf shaper (the lab), so latency and transfer overlap, T = max(L, V·β).
     """
 
     alpha: float
@@ -93,6 +94,8 @@ class LinkModel:
     latency_share: float = 0.0
     bandwidth_share: float = 0.0
     token_bucket: bool = False
+    compute_scale: float = 1.0
+    compute_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.alpha < 0 or self.beta <= 0 or (self.alpha_large is not None and self.alpha_large < 0):
@@ -100,9 +103,11 @@ class LinkModel:
                              f"and beta={self.beta} > 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores={self.cores!r}; use a positive int, or None for one rank per node")
-        if self.latency_share < 0 or self.bandwidth_share < 0:
-            raise ValueError(f"latency_share={self.latency_share} and bandwidth_share={self.bandwidth_share} "
-                             "must be >= 0")
+        if self.latency_share < 0 or self.bandwidth_share < 0 or self.compute_share < 0:
+            raise ValueError(f"latency_share={self.latency_share}, bandwidth_share={self.bandwidth_share} and "
+                             f"compute_share={self.compute_share} must be >= 0")
+        if self.compute_scale <= 0:
+            raise ValueError(f"compute_scale={self.compute_scale} must be > 0 (1: compute as measured alone)")
 
     def crowding(self, p: int) -> float:
         """Return g = max(1, P/cores), ranks per core (1 when not shared)."""
@@ -122,6 +127,10 @@ class LinkModel:
         """
         shared = message_bytes > SAVED_BYTES
         return self.beta * (self.crowding(p) ** self.bandwidth_share if shared else 1.0)
+
+    def compute_factor(self, p: int) -> float:
+        """Return how much longer a rank's compute takes in a loop of ``p`` ranks than alone."""
+        return self.compute_scale * self.crowding(p) ** self.compute_share if self.cores else self.compute_scale
 
     def alone(self) -> LinkModel:
         """Return the same network with one rank per node and real links: what a cluster has."""
@@ -184,7 +193,7 @@ def _pipelined_seconds(m: LinkModel, nbytes: float, p: int, wire_ratio: float, c
 
 
 def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float, enc_Bps: float,
-                       dec_Bps: float, peer_bytes: int | None = None) -> float:
+                       dec_Bps: float, peer_bytes: int | None = None, segment: float | None = None) -> float:
     """Return the modelled compressed all-reduce time (two pipelined Alltoallv phases of payloads).
 
     Per rank: encode n bytes of FP32 (the others' chunks, then its reduced one), decode
@@ -192,15 +201,117 @@ def compressed_seconds(m: LinkModel, nbytes: float, p: int, *, wire_ratio: float
     ranks share cores. Segments overlap codec work with the wire, so the time is the
     larger of the two for all segments but one, plus one segment of both (pipeline fill
     and drain). The segment is the fastest of ``PEER_CHOICES`` payload bytes per peer,
-    as the all-reduce's own tuner picks it; ``peer_bytes`` fixes it instead.
+    as the all-reduce's own tuner picks it; ``peer_bytes`` fixes it instead, and
+    ``segment`` (FP32 bytes, as ``bench allreduce`` reports the tuner's choice) too.
     """
     cpu = nbytes / enc_Bps + nbytes * (2 - 1 / p) / dec_Bps
     if p <= 1:
         return nbytes / enc_Bps + nbytes / dec_Bps
     cpu *= m.crowding(p)
+    if segment:
+        return _pipelined_seconds(m, nbytes, p, wire_ratio, cpu, float(segment))
     choices = (peer_bytes,) if peer_bytes else PEER_CHOICES
     return min(_pipelined_seconds(m, nbytes, p, wire_ratio, cpu, segment_bytes(p, wire_ratio, peer))
                for peer in choices)
+
+
+def step_seconds(m: LinkModel, nbytes: float, p: int, compute_s: float) -> float:
+    """Return the modelled time of one exchange of a training loop on ``p`` nodes.
+
+    Each rank computes for ``compute_s`` (its block's work, measured alone), then
+    all-reduces ``nbytes`` of float32 with MPICH's algorithm. The compute stretches by
+    ``m.compute_factor(p)`` on shared cores and sits on the critical path with the
+    all-reduce's latency; on the lab's token bucket the link refills while ranks
+    compute, so the step is max(compute + latency, transfer), on a real link their sum.
+    """
+    rounds = _rounds(nbytes, p)
+    latency = sum(m.round_s(p, b) for b in rounds)
+    return _combine(m, compute_s * m.compute_factor(p) + latency, sum(b * m.byte_s(p, b) for b in rounds))
+
+
+def _load_glm(paths: list[str]) -> list[dict[str, Any]]:
+    """Return the headline rows of ``bench glm --json`` files that carry the compute-alone time."""
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            rows = [r for r in json.load(fh) if r.get("table") == "headline"]
+        missing = [r for r in rows if "compute_s" not in r]
+        if missing:
+            raise ValueError(f"{path} has no compute_s column; rerun commwire bench glm --json with this "
+                             "version, which times each loop alone as well")
+        out += [{"nodes": int(r["ranks"]), "dataset": r["dataset"], "solver": r["solver"],
+                 "precision": r["precision"], "s": int(r["s"]), "b": int(r["b"]), "steps": int(r["steps"]),
+                 "bytes": float(r["bytes_per_outer"]), "exchanges": math.ceil(int(r["steps"]) / int(r["s"])),
+                 "wall_s": float(r["wall_s"]), "compute_s": float(r["compute_s"])} for r in rows]
+    return out
+
+
+def glm_seconds(m: LinkModel, row: dict[str, Any], nodes: int | None = None,
+                compute_s: float | None = None) -> float:
+    """Return the modelled training-loop time of a ``_load_glm`` row (at ``nodes``, with ``compute_s``)."""
+    p = row["nodes"] if nodes is None else nodes
+    work = row["compute_s"] if compute_s is None else compute_s
+    return row["exchanges"] * step_seconds(m, row["bytes"], p, work / row["exchanges"])
+
+
+def fit_compute(m: LinkModel, rows: list[dict[str, Any]]) -> LinkModel:
+    """Fit compute_scale and compute_share of ``m`` to measured loop times (least relative error).
+
+    α, β and the all-reduce's sharing stay as fitted on all-reduce times; only how a
+    loop's compute stretches when ranks run together is fitted here. compute_share
+    needs rows on more ranks than cores; without them it stays 0.
+    """
+    if not rows:
+        raise ValueError("no bench glm rows to fit the compute terms on; pass --glm files with rows at the "
+                         "--glm-fit-nodes node counts")
+    shared = m.cores is not None and any(r["nodes"] > m.cores for r in rows)
+    scales = np.round(np.arange(0.5, 4.0001, 0.01), 2)
+    shares = np.round(np.arange(0.0, 3.0001, 0.05), 2) if shared else np.array([0.0])
+    exch = np.array([r["exchanges"] for r in rows], dtype=float)
+    work = np.array([r["compute_s"] for r in rows]) / exch
+    lat = np.array([sum(m.round_s(r["nodes"], b) for b in _rounds(r["bytes"], r["nodes"])) for r in rows])
+    xfer = np.array([sum(b * m.byte_s(r["nodes"], b) for b in _rounds(r["bytes"], r["nodes"])) for r in rows])
+    g = np.array([m.crowding(r["nodes"]) for r in rows])
+    wall = np.array([r["wall_s"] for r in rows]) / exch
+    best = (math.inf, 1.0, 0.0)
+    for share in shares:
+        busy = lat[None, :] + scales[:, None] * (work * g**share)[None, :]
+        pred = np.maximum(busy, xfer) if m.token_bucket else busy + xfer
+        err = np.sqrt(np.mean((pred / wall - 1) ** 2, axis=1))
+        i = int(np.argmin(err))
+        if err[i] < best[0] - 1e-12:
+            best = (float(err[i]), float(scales[i]), float(share))
+    return dataclasses.replace(m, compute_scale=best[1], compute_share=best[2])
+
+
+def validate_glm(m: LinkModel, rows: list[dict[str, Any]], fitted_nodes: set[int]) -> list[dict[str, Any]]:
+    """Return measured vs predicted loop time and speed-up over FP32 SGD (same data set, b, steps) per row."""
+    key = ("dataset", "b", "steps", "nodes")
+    base = {tuple(r[k] for k in key): r for r in rows if r["solver"] == "sgd" and r["precision"] == "fp32"}
+    out = []
+    for r in rows:
+        pred = glm_seconds(m, r)
+        ref = base.get(tuple(r[k] for k in key))
+        out.append({**r, "predicted_s": pred, "error": pred / r["wall_s"] - 1, "fit": r["nodes"] in fitted_nodes,
+                    "speedup": ref["wall_s"] / r["wall_s"] if ref else math.nan,
+                    "predicted_speedup": glm_seconds(m, ref) / pred if ref else math.nan})
+    return out
+
+
+def compute_at(rows: list[dict[str, Any]], nodes: int) -> float:
+    """Return a loop's compute per rank at ``nodes``, from its measured node counts: a + b/P.
+
+    The rows are one configuration (data set, solver, precision, s, b, steps) at several
+    node counts; each rank's block has n/P columns, so the work falls as 1/P towards a
+    fixed part (the solver's per-step overhead). One node count: its compute, scaled as
+    if all of it were per column.
+    """
+    ps = np.array([r["nodes"] for r in rows], dtype=float)
+    ts = np.array([r["compute_s"] for r in rows])
+    if len(set(ps.tolist())) < 2:
+        return float(ts.mean() * ps.mean() / nodes)
+    coef = _nonneg_lstsq(np.stack([1 / ts, 1 / (ps * ts)], axis=1))  # relative error: a/t + b/(P t) = 1
+    return float(coef[0] + coef[1] / nodes)
 
 
 def _nonneg_lstsq(a: np.ndarray) -> np.ndarray:
@@ -309,7 +420,8 @@ def _load_codec(paths: list[str]) -> list[dict[str, Any]]:
     for path in paths:
         with open(path, encoding="utf-8") as fh:
             out += [{"nodes": int(r["ranks"]), "bytes": float(r["bytes"]), "codec": r["codec"],
-                     "fp32_s": float(r["raw_us"]) * 1e-6, "codec_s": float(r["commwire_us"]) * 1e-6}
+                     "fp32_s": float(r["raw_us"]) * 1e-6, "codec_s": float(r["commwire_us"]) * 1e-6,
+                     "segment": r.get("segment_bytes")}
                     for r in json.load(fh) if r.get("codec")]
     return out
 
@@ -318,12 +430,15 @@ def validate_codec(m: LinkModel, rows: list[dict[str, Any]],
                    rates: dict[str, tuple[float, float, float]]) -> list[dict[str, Any]]:
     """Return measured vs predicted compressed all-reduce time and speedup over FP32 for each row.
 
-    ``rates`` maps a codec spec to (encode B/s, decode B/s, wire ratio), as ``_codec_rates`` measures.
+    The prediction is for the segment the row ran with (the tuner's choice, when the
+    row records it): the model's own choice is for projections, the check is of the
+    time of what ran. ``rates`` maps a codec spec to (encode B/s, decode B/s, wire ratio), as ``_codec_rates`` measures.
     """
     out = []
     for r in rows:
         enc, dec, ratio = rates[r["codec"]]
-        pred = compressed_seconds(m, r["bytes"], r["nodes"], wire_ratio=ratio, enc_Bps=enc, dec_Bps=dec)
+        pred = compressed_seconds(m, r["bytes"], r["nodes"], wire_ratio=ratio, enc_Bps=enc, dec_Bps=dec,
+                                  segment=r.get("segment"))
         pred32 = allreduce_seconds(m, r["bytes"], r["nodes"])
         out.append({**r, "predicted_s": pred, "error": pred / r["codec_s"] - 1,
                     "speedup": r["fp32_s"] / r["codec_s"], "predicted_speedup": pred32 / pred})
@@ -391,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shaper", choices=("tbf", "none"), default="tbf",
                         help="how the calibration runs' links were limited: tbf (commwire lab, the default) "
                              "or none (loopback, a real network)")
+    parser.add_argument("--glm", nargs="*", default=[],
+                        help="bench glm --json files: fit how loop compute stretches on shared cores, predict "
+                             "their step times and speed-ups, and project them")
+    parser.add_argument("--glm-fit-nodes",
+                        help="node counts of the --glm rows to fit the compute terms on (default: all but the "
+                             "largest, which is held out and predicted)")
     parser.add_argument("--nodes", default="2,4,8,16,64,256,1024", help="node counts to project to")
     parser.add_argument("--bandwidth", help="link bandwidth (e.g. 100gbit); default: the fitted β")
     parser.add_argument("--latency", help="per-message latency (e.g. 5us); default: the fitted α")
@@ -432,17 +553,27 @@ def main(argv: list[str] | None = None) -> int:
         specs_seen = sorted({r["codec"] for r in codec_rows})
         measured_rates = {spec: _codec_rates(spec) for spec in specs_seen}
         print("\ncompressed all-reduce (codec throughput measured here, one process):")
-        print("| nodes | size | codec | measured ms | predicted ms | error | speedup measured | predicted |\n"
-              "|---|---|---|---|---|---|---|---|")
+        print("| nodes | size | codec | segment KiB | measured ms | predicted ms | error | speedup measured | "
+              "predicted |\n|---|---|---|---|---|---|---|---|---|")
         checked = validate_codec(model, codec_rows, measured_rates)
         for r in checked:
-            print(f"| {r['nodes']} | {r['bytes']:.0f} B | {r['codec']} | {r['codec_s'] * 1e3:.2f} | "
+            seg = f"{r['segment'] / 1024:.0f}" if r.get("segment") else "model's"
+            print(f"| {r['nodes']} | {r['bytes']:.0f} B | {r['codec']} | {seg} | {r['codec_s'] * 1e3:.2f} | "
                   f"{r['predicted_s'] * 1e3:.2f} | {r['error']:+.0%} | {r['speedup']:.2f}x | "
                   f"{r['predicted_speedup']:.2f}x |")
         for p in sorted({r["nodes"] for r in checked}):
             errs = [abs(r["error"]) for r in checked if r["nodes"] == p]
             print(f"{p} nodes: max |error| of {len(errs)} compressed rows {max(errs):.0%}, "
                   f"mean {sum(errs) / len(errs):.0%}")
+    glm_rows = _load_glm(args.glm) if args.glm else []
+    if glm_rows:
+        if model is None:
+            raise SystemExit("--glm needs --calibrate files to fit the link model first")
+        present = sorted({r["nodes"] for r in glm_rows})
+        fit_nodes = ({int(v) for v in args.glm_fit_nodes.split(",") if v.strip()} if args.glm_fit_nodes
+                     else set(present[:-1]) or set(present))
+        model = fit_compute(model, [r for r in glm_rows if r["nodes"] in fit_nodes])
+        _print_glm(model, glm_rows, fit_nodes)
     if model is not None:
         model = model.alone()  # a cluster: one rank per node
     alpha = _parse_latency(args.latency) if args.latency else (model.alpha if model else None)
@@ -468,7 +599,50 @@ def main(argv: list[str] | None = None) -> int:
             tc = compressed_seconds(link, nbytes, p, wire_ratio=ratio, enc_Bps=enc, dec_Bps=dec)
             cells += [f"{tc * 1e3:.2f}", f"{t32 / tc:.2f}x" if tc > 0 else "-"]
         print("| " + " | ".join(cells) + " |")
+    if glm_rows:
+        _project_glm(link, glm_rows, [int(v) for v in args.nodes.split(",")])
     return 0
+
+
+def _print_glm(m: LinkModel, rows: list[dict[str, Any]], fit_nodes: set[int]) -> None:
+    checked = validate_glm(m, rows, fit_nodes)
+    print(f"\ntraining loops (bench glm): compute measured alone on one rank's block, × "
+          f"{m.compute_scale:.2f}·g^{m.compute_share:.2f} in the loop (fitted on {sorted(fit_nodes)} nodes)")
+    print("| nodes | data set | solver | precision | s | µs/step measured | compute alone | predicted | error | "
+          "speed-up measured | predicted | |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in checked:
+        per = 1e6 / r["steps"]
+        print(f"| {r['nodes']} | {r['dataset']} | {r['solver']} | {r['precision']} | {r['s']} | "
+              f"{r['wall_s'] * per:.1f} | {r['compute_s'] * per:.1f} | {r['predicted_s'] * per:.1f} | "
+              f"{r['error']:+.0%} | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
+              f"{'fitted' if r['fit'] else 'held out'} |")
+    for p in sorted({r["nodes"] for r in checked}):
+        errs = [abs(r["error"]) for r in checked if r["nodes"] == p]
+        gaps = [abs(r["predicted_speedup"] / r["speedup"] - 1) for r in checked
+                if r["nodes"] == p and r["solver"] != "sgd" and math.isfinite(r["speedup"])]
+        print(f"{p} nodes ({'fitted' if p in fit_nodes else 'held out'}): max |error| of {len(errs)} loops "
+              f"{max(errs):.0%}, mean {sum(errs) / len(errs):.0%}"
+              + (f"; of the {len(gaps)} CA-SGD speed-ups {max(gaps):.0%}" if gaps else ""))
+
+
+def _project_glm(link: LinkModel, rows: list[dict[str, Any]], nodes: list[int]) -> None:
+    """Print each training loop's projected µs per step, and speed-ups over FP32 SGD, at ``nodes``."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["solver"], r["precision"], r["s"], r["b"], r["steps"]), []).append(r)
+    print("\nprojection of the training loops: µs per step (speed-up over FP32 SGD); compute per rank "
+          "a + b/P from the measured node counts, one rank per node")
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        configs = [c for c in groups if c[0] == dataset]
+        base = next((c for c in configs if c[1] == "sgd" and c[2] == "fp32"), None)
+        print(f"\n| {dataset}: nodes | " + " | ".join(f"{c[1]} {c[2]} s={c[3]} b={c[4]}" for c in configs)
+              + " |\n|---|" + "---|" * len(configs))
+        for p in nodes:
+            times = {c: glm_seconds(link, groups[c][0], nodes=p, compute_s=compute_at(groups[c], p)) / c[5]
+                     for c in configs}
+            cells = [f"{t * 1e6:.1f}" + (f" ({times[base] / t:.2f}x)" if base and c != base else "")
+                     for c, t in times.items()]
+            print(f"| {p} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

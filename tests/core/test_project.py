@@ -1,5 +1,6 @@
 """The α–β cost model — tier 1 (single process; synthetic samples with known parameters)."""
 
+import dataclasses
 import json
 import math
 
@@ -123,3 +124,93 @@ def test_codec_rows_are_validated_as_times_and_speedups(tmp_path):
     (row,) = project.validate_codec(link, project._load_codec([str(path)]), rates)
     assert row["error"] == pytest.approx(1 / 1.25 - 1)
     assert row["predicted_speedup"] == pytest.approx(t32 / t8) and row["speedup"] == pytest.approx(t32 / t8 / 1.25)
+
+
+def _glm_row(nodes, solver, s, compute_s, wall_s, nbytes, steps=1024, dataset="d"):
+    return {"nodes": nodes, "dataset": dataset, "solver": solver, "precision": "fp32", "s": s, "b": 4,
+            "steps": steps, "bytes": float(nbytes), "exchanges": math.ceil(steps / s), "wall_s": wall_s,
+            "compute_s": compute_s}
+
+
+def test_step_model_overlaps_compute_with_the_bucket_and_adds_it_on_a_real_link():
+    lab = project.LinkModel(alpha=20e-6, alpha_large=40e-6, beta=8e-9, cores=2, latency_share=1.0,
+                            token_bucket=True, compute_scale=1.5, compute_share=2.0)
+    n, work = 32256.0, 100e-6
+    lat = sum(lab.round_s(8, b) for b in project._rounds(n, 8))
+    xfer = sum(b * lab.byte_s(8, b) for b in project._rounds(n, 8))
+    assert lab.compute_factor(8) == pytest.approx(1.5 * 4.0**2)
+    assert project.step_seconds(lab, n, 8, work) == pytest.approx(max(work * 24 + lat, xfer))
+    lat2 = sum(lab.round_s(2, b) for b in project._rounds(n, 2))
+    assert project.step_seconds(lab, n, 2, work) == pytest.approx(max(work * 1.5 + lat2, xfer * 2 / 3.5))
+    cluster = lab.alone()  # one rank per node: compute as measured alone, latency and transfer add up
+    assert cluster.compute_factor(1024) == 1.0
+    assert project.step_seconds(cluster, n, 2, work) == pytest.approx(
+        work + sum(cluster.round_s(2, b) + b * cluster.beta for b in project._rounds(n, 2)))
+    with pytest.raises(ValueError, match="compute_scale=0"):
+        project.LinkModel(alpha=1e-6, beta=1e-9, compute_scale=0.0)
+
+
+def test_compute_terms_are_fitted_on_two_node_counts_and_predict_the_third():
+    truth = project.LinkModel(alpha=12e-6, alpha_large=25e-6, beta=8.5e-9, cores=2, latency_share=1.1,
+                              token_bucket=True, compute_scale=1.25, compute_share=1.5)
+    link = dataclasses.replace(truth, compute_scale=1.0, compute_share=0.0)  # as fitted on all-reduce times
+    rows = []
+    for p in (2, 4, 8):
+        for solver, s, nbytes, work in (("sgd", 1, 16, 6e-6), ("casgd", 32, 32256, 60e-6)):
+            row = _glm_row(p, solver, s, work * 1024 / s, 0.0, nbytes)
+            row["wall_s"] = project.glm_seconds(truth, row)
+            rows.append(row)
+    fitted = project.fit_compute(link, [r for r in rows if r["nodes"] in (2, 4)])
+    assert (fitted.compute_scale, fitted.compute_share) == pytest.approx((1.25, 1.5))
+    checked = project.validate_glm(fitted, rows, {2, 4})
+    assert max(abs(r["error"]) for r in checked) < 1e-9
+    assert [r["fit"] for r in checked] == [True] * 4 + [False] * 2
+    casgd8 = next(r for r in checked if r["nodes"] == 8 and r["solver"] == "casgd")
+    sgd8 = next(r for r in checked if r["nodes"] == 8 and r["solver"] == "sgd")
+    assert casgd8["predicted_speedup"] == pytest.approx(sgd8["wall_s"] / casgd8["wall_s"])
+    # without rows on more ranks than cores the exponent cannot be fitted and stays 0
+    assert project.fit_compute(link, [r for r in rows if r["nodes"] == 2]).compute_share == 0.0
+    with pytest.raises(ValueError, match="--glm-fit-nodes"):
+        project.fit_compute(link, [])
+
+
+def test_compute_per_rank_is_extrapolated_as_fixed_plus_per_column_part():
+    rows = [_glm_row(p, "sgd", 1, 5e-6 + 40e-6 / p, 1.0, 16) for p in (2, 4, 8)]
+    assert project.compute_at(rows, 1024) == pytest.approx(5e-6 + 40e-6 / 1024)
+    assert project.compute_at(rows[:1], 4) == pytest.approx(rows[0]["compute_s"] / 2)
+
+
+def test_glm_files_without_compute_are_refused_and_files_with_it_are_validated(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([{"table": "headline", "ranks": 2}]))
+    with pytest.raises(ValueError, match="rerun commwire bench glm"):
+        project._load_glm([str(old)])
+    link = project.LinkModel(alpha=20e-6, alpha_large=40e-6, beta=8e-9, cores=2, latency_share=1.0,
+                             token_bucket=True, compute_scale=1.2, compute_share=1.0)
+    cal, glm = tmp_path / "cal.json", []
+    cal.write_text(json.dumps([{"ranks": p, "bytes": n, "raw_us": project.allreduce_seconds(link, n, p) * 1e6}
+                               for p in (2, 4, 8) for n in (16, 4096, 1 << 16, 1 << 20, 1 << 24)]))
+    for p in (2, 4, 8):
+        for solver, precision, s, nbytes, work in (("sgd", "fp32", 1, 16, 6e-6), ("casgd", "mixed", 32, 32256, 5e-5)):
+            row = _glm_row(p, solver, s, work * 1024 / s, 0.0, nbytes)
+            glm.append({"table": "headline", "ranks": p, "dataset": "d", "solver": solver, "precision": precision,
+                        "s": s, "b": 4, "steps": 1024, "bytes_per_outer": nbytes, "compute_s": row["compute_s"],
+                        "wall_s": project.glm_seconds(link, row)})
+    path = tmp_path / "glm.json"
+    path.write_text(json.dumps(glm))
+    assert project.main(["--calibrate", str(cal), "--glm", str(path), "--nodes", "2,1024",
+                         "--codecs", "fp8-e4m3", "--size", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "8 nodes (held out): max |error| of 2 loops" in out and "| d: nodes |" in out and "\n| 1024 | " in out
+
+
+def test_codec_rows_are_checked_at_the_segment_they_ran_with(tmp_path):
+    link = project.LinkModel(alpha=20e-6, alpha_large=40e-6, beta=8e-9)
+    n, seg = 16 << 20, float(4 << 20)
+    ran = project.compressed_seconds(link, n, 4, wire_ratio=0.25, enc_Bps=2e9, dec_Bps=4e9, segment=seg)
+    assert ran >= project.compressed_seconds(link, n, 4, wire_ratio=0.25, enc_Bps=2e9, dec_Bps=4e9)
+    path = tmp_path / "codec.json"
+    path.write_text(json.dumps([{"ranks": 4, "bytes": n, "codec": "fp8-e4m3", "raw_us": 1e5,
+                                 "commwire_us": ran * 1e6, "segment_bytes": seg}]))
+    (row,) = project.validate_codec(link, project._load_codec([str(path)]), {"fp8-e4m3": (2e9, 4e9, 0.25)})
+    assert row["error"] == pytest.approx(0.0, abs=1e-12)

@@ -22,6 +22,7 @@ def test_rows_count_exchanges_bytes_and_compare_to_fp32_sgd(capsys) -> None:
         itemsize = 8 if r["precision"] == "fp64" else 4
         assert r["bytes_per_outer"] == words(r["s"], r["b"]) * itemsize
         assert r["wall_s"] > 0 and r["speedup_vs_sgd_fp32"] > 0
+        assert 0 < r["compute_s"] and r["compute_us_per_step"] == pytest.approx(r["compute_s"] / r["steps"] * 1e6)
         assert abs(r["loss_gap_vs_sgd_fp32"]) < 5e-3
     assert head[0]["speedup_vs_sgd_fp32"] == 1.0 and head[0]["loss_gap_vs_sgd_fp32"] == 0.0
     assert {(r["s"], r["b"]) for r in rows if r["table"] == "sweep"} == {(1, 8), (8, 8)}
