@@ -39,11 +39,25 @@ with s chosen, as the all-reduce's tuner does, as the fastest of its segment siz
 α, α_large, β are fitted by least squares on relative error (non-negative) to
 FP32 all-reduce times measured by ``commwire bench allreduce --json``; κ_α, κ_β
 by a grid search around it. Sizes or node counts left out of the fit are
-predicted and the error reported.
+predicted and the error reported. A compressed row is checked at the segment
+its tuner chose.
+
+A training loop (``commwire bench glm --json``: each loop also timed alone on
+one rank's block, c) is a sequence of exchanges, each compute then an all-reduce:
+
+    T_step = max(c·μ·g^κ_c + L, V·β)   on the lab (the bucket refills while ranks compute),
+    T_step = c + L + V·β               on a cluster,
+
+μ and κ_c fitted on the loops at some node counts (``--glm-fit-nodes``) and the
+others predicted; ranks that compute while others spin in MPI on the same cores
+stretch c far beyond g. The projection takes c per rank as a + b/P (a fixed part
+and the n/P columns), fitted on the measured node counts.
 
 Run:
     commwire bench project --calibrate lab2.json lab4.json lab8.json --fit-sizes 16,4K,256K,16M \
         --validate lab2.json lab4.json lab8.json
+    commwire bench project --calibrate lab2.json lab4.json lab8.json --glm glm2.json glm4.json glm8.json \
+        --glm-fit-nodes 2,4
     commwire bench project --nodes 2,16,256,1024 --bandwidth 100gbit --latency 5us --size 64M
 """
 
@@ -62,7 +76,8 @@ import numpy as np
 from ..codecs.collective import PEER_CHOICES, segment_bytes_at  # the all-reduce's own segment rule
 
 __all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "validate_codec", "main",
-           "INJECT_BYTES", "segment_bytes"]
+           "INJECT_BYTES", "segment_bytes", "step_seconds", "glm_seconds", "fit_compute", "validate_glm",
+           "compute_at"]
 
 
 INJECT_BYTES = 128
