@@ -99,7 +99,9 @@ class LinkModel:
     cores P ranks share), latencies scale by g^latency_share and β by
     g^bandwidth_share, g = max(1, P/cores), and a training loop's compute by
     compute_scale · g^compute_share (see ``step_seconds``). ``token_bucket``: the
-    link is a tbf shaper (the lab), so latency and transfer overlap, T = max(L, V·β).
+    link is a tbf shaper (the lab), so latency and transfer overlap, T = max(L, V·β),
+    and ``burst_bytes`` is its bucket: a loop that starts on an idle link sends that
+    many bytes at memory speed first (``glm_seconds``).
     """
 
     alpha: float
@@ -111,6 +113,7 @@ class LinkModel:
     token_bucket: bool = False
     compute_scale: float = 1.0
     compute_share: float = 0.0
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.alpha < 0 or self.beta <= 0 or (self.alpha_large is not None and self.alpha_large < 0):
@@ -121,6 +124,8 @@ class LinkModel:
         if self.latency_share < 0 or self.bandwidth_share < 0 or self.compute_share < 0:
             raise ValueError(f"latency_share={self.latency_share}, bandwidth_share={self.bandwidth_share} and "
                              f"compute_share={self.compute_share} must be >= 0")
+        if self.burst_bytes < 0:
+            raise ValueError(f"burst_bytes={self.burst_bytes} must be >= 0 (0: no bucket credit)")
         if self.compute_scale <= 0:
             raise ValueError(f"compute_scale={self.compute_scale} must be > 0 (1: compute as measured alone)")
 
@@ -266,7 +271,24 @@ def glm_seconds(m: LinkModel, row: dict[str, Any], nodes: int | None = None,
     """Return the modelled training-loop time of a ``_load_glm`` row (at ``nodes``, with ``compute_s``)."""
     p = row["nodes"] if nodes is None else nodes
     work = row["compute_s"] if compute_s is None else compute_s
-    return row["exchanges"] * step_seconds(m, row["bytes"], p, work / row["exchanges"])
+    latency, transfer = _loop_terms(m, row, p)
+    busy = work * m.compute_factor(p) + latency
+    return max(busy, transfer) if m.token_bucket else busy + transfer
+
+
+def _loop_terms(m: LinkModel, row: dict[str, Any], p: int) -> tuple[float, float]:
+    """Return a loop's all-reduce latency and transfer time, over all its exchanges, on ``p`` nodes.
+
+    On a token bucket the timed loop starts on an idle link with its bucket full: the
+    first ``burst_bytes`` pass at memory speed, so the transfer is (k·V - burst)·β.
+    """
+    k, rounds = row["exchanges"], _rounds(row["bytes"], p)
+    latency = k * sum(m.round_s(p, b) for b in rounds)
+    transfer = k * sum(b * m.byte_s(p, b) for b in rounds)
+    volume = k * sum(rounds)
+    if m.token_bucket and volume > 0:
+        transfer *= max(0.0, volume - m.burst_bytes) / volume
+    return latency, transfer
 
 
 def fit_compute(m: LinkModel, rows: list[dict[str, Any]]) -> LinkModel:
@@ -282,12 +304,10 @@ def fit_compute(m: LinkModel, rows: list[dict[str, Any]]) -> LinkModel:
     shared = m.cores is not None and any(r["nodes"] > m.cores for r in rows)
     scales = np.round(np.arange(0.5, 4.0001, 0.01), 2)
     shares = np.round(np.arange(0.0, 3.0001, 0.05), 2) if shared else np.array([0.0])
-    exch = np.array([r["exchanges"] for r in rows], dtype=float)
-    work = np.array([r["compute_s"] for r in rows]) / exch
-    lat = np.array([sum(m.round_s(r["nodes"], b) for b in _rounds(r["bytes"], r["nodes"])) for r in rows])
-    xfer = np.array([sum(b * m.byte_s(r["nodes"], b) for b in _rounds(r["bytes"], r["nodes"])) for r in rows])
+    work = np.array([r["compute_s"] for r in rows])  # per loop, as the rows give it
+    lat, xfer = np.array([_loop_terms(m, r, r["nodes"]) for r in rows]).T
     g = np.array([m.crowding(r["nodes"]) for r in rows])
-    wall = np.array([r["wall_s"] for r in rows]) / exch
+    wall = np.array([r["wall_s"] for r in rows])
     best = (math.inf, 1.0, 0.0)
     for share in shares:
         busy = lat[None, :] + scales[:, None] * (work * g**share)[None, :]
@@ -507,7 +527,7 @@ def _parse_latency(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Calibrate/validate the model on measurement files, or project to many nodes."""
-    from ..lab.bandwidth import parse_bandwidth
+    from ..lab.bandwidth import parse_bandwidth, tbf_burst
     from .allreduce import parse_size
 
     parser = argparse.ArgumentParser(prog="commwire bench project", description=__doc__,
@@ -527,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--glm-fit-nodes",
                         help="node counts of the --glm rows to fit the compute terms on (default: all but the "
                              "largest, which is held out and predicted)")
+    parser.add_argument("--lab-bandwidth", default="1gbit",
+                        help="the calibration lab's link bandwidth (with --shaper tbf: its token bucket, which a "
+                             "timed training loop starts with full, holds tbf_burst of it; default 1gbit)")
     parser.add_argument("--nodes", default="2,4,8,16,64,256,1024", help="node counts to project to")
     parser.add_argument("--bandwidth", help="link bandwidth (e.g. 100gbit); default: the fitted β")
     parser.add_argument("--latency", help="per-message latency (e.g. 5us); default: the fitted α")
@@ -544,12 +567,14 @@ def main(argv: list[str] | None = None) -> int:
             samples = [smp for smp in samples if smp[1] in keep]
         fitted = {(p, n) for p, n, _ in samples}
         model = fit(samples, cores=args.cores or None, token_bucket=args.shaper == "tbf")
+        if model.token_bucket:
+            model = dataclasses.replace(model, burst_bytes=float(tbf_burst(parse_bandwidth(args.lab_bandwidth))))
         large = model.alpha if model.alpha_large is None else model.alpha_large
         print(f"fitted on {len(samples)} samples of {', '.join(args.calibrate)}: α = {model.alpha * 1e6:.1f} µs "
               f"(≤ {INJECT_BYTES} B), α_large = {large * 1e6:.1f} µs, β = {model.beta * 1e9:.3f} ns/B "
               f"({8 / model.beta / 1e9:.2f} Gbit/s); core sharing ({model.cores or 'none'} cores): "
               f"latency × g^{model.latency_share:.2f}, β × g^{model.bandwidth_share:.2f}, g = P/cores; "
-              f"links {'tbf-shaped: max(latency, transfer)' if model.token_bucket else 'latency + transfer'}")
+              f"links {'tbf-shaped: max(latency, transfer), bucket %.0f B' % model.burst_bytes if model.token_bucket else 'latency + transfer'}")
     if args.validate:
         if model is None:
             raise SystemExit("--validate needs --calibrate files to fit the model first")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bandwidth", "format_bandwidth", "MIN_BANDWIDTH", "MAX_BANDWIDTH"]
+__all__ = ["parse_bandwidth", "format_bandwidth", "tbf_burst", "MIN_BANDWIDTH", "MAX_BANDWIDTH"]
 
 # Decimal multipliers, as tc uses them for "kbit", "mbit", ...
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -48,3 +48,13 @@ def format_bandwidth(bps: int) -> str:
         if bps % scale == 0:
             return f"{bps // scale}{unit}"
     raise ValueError(f"bandwidth must be a whole number of bit/s, got {bps!r}")
+
+
+def tbf_burst(bps: int) -> int:
+    """Return the token-bucket depth (bytes) the lab gives a link of ``bps`` bits per second.
+
+    The bucket must hold at least one GSO super-packet (64 KiB on veth) and about
+    1 ms of traffic, or tbf cannot reach the rate with the kernel's timer granularity.
+    A link idle long enough starts with it full: that many bytes pass at memory speed.
+    """
+    return max(64 * 1024, bps // 8 // 1000)

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from . import spec as _spec
-from .bandwidth import format_bandwidth, parse_bandwidth
+from .bandwidth import format_bandwidth, parse_bandwidth, tbf_burst
 from .shim import write_shim
 from .spec import BRIDGE, HOST_IFACE, PREFIX_LEN, SWITCH, LabSpec
 
@@ -166,10 +166,8 @@ def signals_raise() -> Iterator[None]:
 
 
 def _tbf(tc: str, netns: str, dev: str, bps: int) -> None:
-    """Limit egress of *dev* in *netns* to *bps* with a token bucket."""
-    # The bucket must hold at least one GSO super-packet (64 KiB on veth) and about
-    # 1 ms of traffic, or tbf cannot reach the rate with the kernel's timer granularity.
-    burst = max(64 * 1024, bps // 8 // 1000)
+    """Limit egress of *dev* in *netns* to *bps* with a token bucket (depth: ``tbf_burst``)."""
+    burst = tbf_burst(bps)
     _run(
         [tc, "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf",
          "rate", f"{bps}bit", "burst", str(burst), "latency", _TBF_LATENCY],

@@ -214,3 +214,19 @@ def test_codec_rows_are_checked_at_the_segment_they_ran_with(tmp_path):
                                  "commwire_us": ran * 1e6, "segment_bytes": seg}]))
     (row,) = project.validate_codec(link, project._load_codec([str(path)]), {"fp8-e4m3": (2e9, 4e9, 0.25)})
     assert row["error"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_loop_on_the_lab_starts_with_a_full_bucket():
+    from commwire.lab.bandwidth import tbf_burst
+
+    assert tbf_burst(10**9) == 125_000 and tbf_burst(100 * 10**6) == 64 * 1024  # 1 ms of traffic, >= 64 KiB
+    lab = project.LinkModel(alpha=10e-6, beta=8e-9, token_bucket=True, burst_bytes=125_000.0)
+    row = _glm_row(2, "casgd", 32, 0.0, 1.0, 32256)  # 32 exchanges of 32256 B: rank sends 32256 B each
+    k, volume = row["exchanges"], 32256.0
+    assert project.glm_seconds(lab, row) == pytest.approx((k * volume - 125_000) * 8e-9)
+    # the bucket credit is spent once per loop, not per exchange, and never below zero
+    assert project.glm_seconds(lab, dict(row, exchanges=1)) == pytest.approx(
+        project._loop_terms(lab, dict(row, exchanges=1), 2)[0])
+    with pytest.raises(ValueError, match="burst_bytes"):
+        project.LinkModel(alpha=1e-6, beta=1e-9, burst_bytes=-1.0)
+    assert project.LinkModel(alpha=1e-6, beta=1e-9, burst_bytes=5.0).alone().burst_bytes == 0.0
