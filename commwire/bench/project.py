@@ -319,7 +319,8 @@ def fit_compute(m: LinkModel, rows: list[dict[str, Any]]) -> LinkModel:
     return dataclasses.replace(m, compute_scale=best[1], compute_share=best[2])
 
 
-def validate_glm(m: LinkModel, rows: list[dict[str, Any]], fitted_nodes: set[int]) -> list[dict[str, Any]]:
+def validate_glm(m: LinkModel, rows: list[dict[str, Any]],
+                 fitted: set[tuple[int, str]]) -> list[dict[str, Any]]:
     """Return measured vs predicted loop time and speed-up over FP32 SGD (same data set, b, steps) per row."""
     key = ("dataset", "b", "steps", "nodes")
     base = {tuple(r[k] for k in key): r for r in rows if r["solver"] == "sgd" and r["precision"] == "fp32"}
@@ -327,7 +328,8 @@ def validate_glm(m: LinkModel, rows: list[dict[str, Any]], fitted_nodes: set[int
     for r in rows:
         pred = glm_seconds(m, r)
         ref = base.get(tuple(r[k] for k in key))
-        out.append({**r, "predicted_s": pred, "error": pred / r["wall_s"] - 1, "fit": r["nodes"] in fitted_nodes,
+        out.append({**r, "predicted_s": pred, "error": pred / r["wall_s"] - 1,
+                    "fit": (r["nodes"], r["solver"]) in fitted,
                     "speedup": ref["wall_s"] / r["wall_s"] if ref else math.nan,
                     "predicted_speedup": glm_seconds(m, ref) / pred if ref else math.nan})
     return out
@@ -547,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--glm-fit-nodes",
                         help="node counts of the --glm rows to fit the compute terms on (default: all but the "
                              "largest, which is held out and predicted)")
+    parser.add_argument("--glm-fit-solvers",
+                        help="solvers of the --glm rows to fit on (e.g. sgd: the CA-SGD rows are held out and "
+                             "predicted); default: all")
     parser.add_argument("--lab-bandwidth", default="1gbit",
                         help="the calibration lab's link bandwidth (with --shaper tbf: its token bucket, which a "
                              "timed training loop starts with full, holds tbf_burst of it; default 1gbit)")
@@ -612,8 +617,14 @@ def main(argv: list[str] | None = None) -> int:
         present = sorted({r["nodes"] for r in glm_rows})
         fit_nodes = ({int(v) for v in args.glm_fit_nodes.split(",") if v.strip()} if args.glm_fit_nodes
                      else set(present[:-1]) or set(present))
-        model = fit_compute(model, [r for r in glm_rows if r["nodes"] in fit_nodes])
-        _print_glm(model, glm_rows, fit_nodes)
+        solvers = {r["solver"] for r in glm_rows}
+        fit_solvers = {v for v in args.glm_fit_solvers.split(",") if v.strip()} if args.glm_fit_solvers else solvers
+        if not fit_solvers <= solvers:
+            raise SystemExit(f"--glm-fit-solvers {args.glm_fit_solvers}: the --glm rows have solvers "
+                             f"{sorted(solvers)}")
+        fitted = {(p, s) for p in fit_nodes for s in fit_solvers}
+        model = fit_compute(model, [r for r in glm_rows if (r["nodes"], r["solver"]) in fitted])
+        _print_glm(model, glm_rows, fitted)
     if model is not None:
         model = model.alone()  # a cluster: one rank per node
     alpha = _parse_latency(args.latency) if args.latency else (model.alpha if model else None)
@@ -644,10 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _print_glm(m: LinkModel, rows: list[dict[str, Any]], fit_nodes: set[int]) -> None:
-    checked = validate_glm(m, rows, fit_nodes)
+def _print_glm(m: LinkModel, rows: list[dict[str, Any]], fitted: set[tuple[int, str]]) -> None:
+    checked = validate_glm(m, rows, fitted)
     print(f"\ntraining loops (bench glm): compute measured alone on one rank's block, × "
-          f"{m.compute_scale:.2f}·g^{m.compute_share:.2f} in the loop (fitted on {sorted(fit_nodes)} nodes)")
+          f"{m.compute_scale:.2f}·g^{m.compute_share:.2f} in the loop (fitted on the rows marked so)")
     print("| nodes | data set | solver | precision | s | µs/step measured | compute alone | predicted | error | "
           "speed-up measured | predicted | |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in checked:
@@ -657,12 +668,16 @@ def _print_glm(m: LinkModel, rows: list[dict[str, Any]], fit_nodes: set[int]) ->
               f"{r['error']:+.0%} | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
               f"{'fitted' if r['fit'] else 'held out'} |")
     for p in sorted({r["nodes"] for r in checked}):
-        errs = [abs(r["error"]) for r in checked if r["nodes"] == p]
+        parts = []
+        for label, fit in (("fitted", True), ("held-out", False)):
+            errs = [abs(r["error"]) for r in checked if r["nodes"] == p and r["fit"] == fit]
+            if errs:
+                parts.append(f"max |error| of {len(errs)} {label} loops {max(errs):.0%}, mean "
+                             f"{sum(errs) / len(errs):.0%}")
         gaps = [abs(r["predicted_speedup"] / r["speedup"] - 1) for r in checked
                 if r["nodes"] == p and r["solver"] != "sgd" and math.isfinite(r["speedup"])]
-        print(f"{p} nodes ({'fitted' if p in fit_nodes else 'held out'}): max |error| of {len(errs)} loops "
-              f"{max(errs):.0%}, mean {sum(errs) / len(errs):.0%}"
-              + (f"; of the {len(gaps)} CA-SGD speed-ups {max(gaps):.0%}" if gaps else ""))
+        print(f"{p} nodes: " + "; ".join(parts) + (f"; of the {len(gaps)} CA-SGD speed-ups {max(gaps):.0%}"
+                                                   if gaps else ""))
 
 
 def _project_glm(link: LinkModel, rows: list[dict[str, Any]], nodes: list[int]) -> None:

@@ -162,7 +162,7 @@ def test_compute_terms_are_fitted_on_two_node_counts_and_predict_the_third():
             rows.append(row)
     fitted = project.fit_compute(link, [r for r in rows if r["nodes"] in (2, 4)])
     assert (fitted.compute_scale, fitted.compute_share) == pytest.approx((1.25, 1.5))
-    checked = project.validate_glm(fitted, rows, {2, 4})
+    checked = project.validate_glm(fitted, rows, {(p, s) for p in (2, 4) for s in ("sgd", "casgd")})
     assert max(abs(r["error"]) for r in checked) < 1e-9
     assert [r["fit"] for r in checked] == [True] * 4 + [False] * 2
     casgd8 = next(r for r in checked if r["nodes"] == 8 and r["solver"] == "casgd")
@@ -201,7 +201,7 @@ def test_glm_files_without_compute_are_refused_and_files_with_it_are_validated(t
     assert project.main(["--calibrate", str(cal), "--glm", str(path), "--nodes", "2,1024",
                          "--codecs", "fp8-e4m3", "--size", "1M"]) == 0
     out = capsys.readouterr().out
-    assert "8 nodes (held out): max |error| of 2 loops" in out and "| d: nodes |" in out and "\n| 1024 | " in out
+    assert "8 nodes: max |error| of 2 held-out loops" in out and "| d: nodes |" in out and "\n| 1024 | " in out
 
 
 def test_codec_rows_are_checked_at_the_segment_they_ran_with(tmp_path):
