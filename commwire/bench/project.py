@@ -45,13 +45,16 @@ its tuner chose.
 A training loop (``commwire bench glm --json``: each loop also timed alone on
 one rank's block, c) is a sequence of exchanges, each compute then an all-reduce:
 
-    T_step = max(c·μ·g^κ_c + L, V·β)   on the lab (the bucket refills while ranks compute),
-    T_step = c + L + V·β               on a cluster,
+    T_loop = max(k·(c·μ·g^κ_c + L), (k·V − burst)·β)   on the lab,
+    T_loop = k·(c + L + V·β)                           on a cluster,
 
-μ and κ_c fitted on the loops at some node counts (``--glm-fit-nodes``) and the
-others predicted; ranks that compute while others spin in MPI on the same cores
-stretch c far beyond g. The projection takes c per rank as a + b/P (a fixed part
-and the n/P columns), fitted on the measured node counts.
+for k exchanges: the lab's token bucket refills while ranks compute, and a timed
+loop starts on an idle link with its bucket (``burst``) full. μ and κ_c are
+fitted on the loops of some node counts and solvers (``--glm-fit-nodes``,
+``--glm-fit-solvers``) and the others predicted; ranks that compute while others
+spin in MPI on the same cores stretch c beyond g. The projection takes c per
+rank as a + b/P (a fixed part and the n/P columns), fitted on the measured node
+counts.
 
 Run:
     commwire bench project --calibrate lab2.json lab4.json lab8.json --fit-sizes 16,4K,256K,16M \
