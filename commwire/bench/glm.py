@@ -119,14 +119,15 @@ def _compute_alone(blocks: Any, configs: list[Any], comm: Any, repeats: int) -> 
     from ..glm import solve
 
     alone = Communicator(MPI.COMM_SELF, check=False, uid="bench-glm-alone")
-    best = [0.0] * len(configs)
+    best = np.zeros(len(configs))
     for turn in range(comm.size):
         _turn_wait(comm)
         if turn == comm.rank:
             for i, cfg in enumerate(configs):
                 best[i] = min(solve(blocks, cfg, comm=alone).time_s for _ in range(repeats))
     _turn_wait(comm)
-    return [comm.mpi.allreduce(t, op=_max()) for t in best]
+    comm.mpi.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)  # the slowest rank's block, one message for all
+    return best.tolist()
 
 
 def _measure(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]], repeats: int,

@@ -153,7 +153,7 @@ class LinkModel:
 
     def compute_factor(self, p: int) -> float:
         """Return how much longer a rank's compute takes in a loop of ``p`` ranks than alone."""
-        return self.compute_scale * self.crowding(p) ** self.compute_share if self.cores else self.compute_scale
+        return self.compute_scale * self.crowding(p) ** self.compute_share
 
     def alone(self) -> LinkModel:
         """Return the same network with one rank per node and real links: what a cluster has."""
@@ -195,10 +195,15 @@ def _combine(m: LinkModel, latency: float, transfer: float) -> float:
     return max(latency, transfer) if m.token_bucket else latency + transfer
 
 
+def _round_terms(m: LinkModel, nbytes: float, p: int) -> tuple[float, float]:
+    """Return the latency and the transfer time of MPICH's all-reduce of ``nbytes`` on ``p`` nodes."""
+    rounds = _rounds(nbytes, p)
+    return sum(m.round_s(p, b) for b in rounds), sum(b * m.byte_s(p, b) for b in rounds)
+
+
 def allreduce_seconds(m: LinkModel, nbytes: float, p: int) -> float:
     """Return the modelled FP32 all-reduce time of ``nbytes`` on ``p`` nodes."""
-    latency = sum(m.round_s(p, b) for b in _rounds(nbytes, p))
-    return _combine(m, latency, sum(b * m.byte_s(p, b) for b in _rounds(nbytes, p)))
+    return _combine(m, *_round_terms(m, nbytes, p))
 
 
 def segment_bytes(p: int, wire_ratio: float, peer_bytes: int) -> float:
@@ -247,9 +252,8 @@ def step_seconds(m: LinkModel, nbytes: float, p: int, compute_s: float) -> float
     all-reduce's latency; on the lab's token bucket the link refills while ranks
     compute, so the step is max(compute + latency, transfer), on a real link their sum.
     """
-    rounds = _rounds(nbytes, p)
-    latency = sum(m.round_s(p, b) for b in rounds)
-    return _combine(m, compute_s * m.compute_factor(p) + latency, sum(b * m.byte_s(p, b) for b in rounds))
+    latency, transfer = _round_terms(m, nbytes, p)
+    return _combine(m, compute_s * m.compute_factor(p) + latency, transfer)
 
 
 def _load_glm(paths: list[str]) -> list[dict[str, Any]]:
@@ -285,10 +289,9 @@ def _loop_terms(m: LinkModel, row: dict[str, Any], p: int) -> tuple[float, float
     On a token bucket the timed loop starts on an idle link with its bucket full: the
     first ``burst_bytes`` pass at memory speed, so the transfer is (k·V - burst)·β.
     """
-    k, rounds = row["exchanges"], _rounds(row["bytes"], p)
-    latency = k * sum(m.round_s(p, b) for b in rounds)
-    transfer = k * sum(b * m.byte_s(p, b) for b in rounds)
-    volume = k * sum(rounds)
+    k = row["exchanges"]
+    latency, transfer = (k * t for t in _round_terms(m, row["bytes"], p))
+    volume = k * sum(_rounds(row["bytes"], p))
     if m.token_bucket and volume > 0:
         transfer *= max(0.0, volume - m.burst_bytes) / volume
     return latency, transfer
