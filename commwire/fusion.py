@@ -232,8 +232,8 @@ class FusionBuffer:
     def _reduce(self, comm: Communicator, bucket: Bucket) -> float:
         start = time.perf_counter()
         if self.codec is None:
-            # non-blocking + wait: on the lane the wait yields the CPU to backward
-            comm.allreduce_async(bucket.buffer, self.op, out=bucket.buffer, name=bucket.id).wait()
+            # on the lane, the wait inside yields the CPU to backward (see Communicator._move)
+            comm.allreduce(bucket.buffer, self.op, out=bucket.buffer, name=bucket.id)
         else:
             from .codecs.collective import compressed_allreduce
 

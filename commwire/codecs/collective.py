@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..comm.arrays import adapter_for
-from ..comm.communicator import Communicator, split_rows
+from ..comm.communicator import Communicator, _check_out, _describe, _device_of, _op_label, split_rows
 from ..comm.handle import Handle
 from ..comm.handle import wait_requests
 from ..comm.lane import lane_for
@@ -270,8 +270,8 @@ def _tag(segment: int, phase: int) -> int:
 class _Run:
     """One compressed all-reduce over a flat FP32 vector."""
 
-    def __init__(self, comm: Communicator, codec: Codec, key: Hashable, average: bool) -> None:
-        self.comm, self.codec, self.key, self.average = comm, codec, key, average
+    def __init__(self, comm: Communicator, codec: Codec, key: Hashable, average: bool, dry: bool = False) -> None:
+        self.comm, self.codec, self.key, self.average, self.dry = comm, codec, key, average, dry
         self.times = {"encode": 0.0, "transfer": 0.0, "decode": 0.0}
         self.wire_sent = 0
         self.encoded_elems = 0
@@ -286,6 +286,9 @@ class _Run:
             req.Test()
 
     def _encode(self, x: np.ndarray, out: np.ndarray, key: Hashable) -> None:
+        if self.dry:  # a rank whose arguments deviate sends zeros in the agreed pattern (Communicator._guarded)
+            out[...] = 0
+            return
         t = _perf()
         self.codec.encode_into(x, out, key=key)
         self.times["encode"] += _perf() - t
@@ -294,12 +297,16 @@ class _Run:
         self._progress()
 
     def _decode(self, buf: np.ndarray, n: int, out: np.ndarray) -> None:
+        if self.dry:
+            return
         t = _perf()
         self.codec.decode_from(buf, n, out=out)
         self.times["decode"] += _perf() - t
         self._progress()
 
     def _decode_add(self, buf: np.ndarray, n: int, out: np.ndarray) -> None:
+        if self.dry:
+            return
         t = _perf()
         self.codec.decode_add(buf, n, out)
         self.times["decode"] += _perf() - t
@@ -402,6 +409,8 @@ class _Run:
         self._encode(flat, mine, (self.key, "g"))
         self._wait([comm.mpi.Iallgather(mine, every)])
         self.wire_sent += w  # this rank's message: its encoded tensor
+        if self.dry:
+            return
         t = _perf()
         result.fill(0.0)
         for r in range(size):  # same order on every rank: identical results
@@ -429,7 +438,7 @@ def compressed_allreduce(
         x: float array (numpy, torch or cupy; CUDA buffers are staged through host memory).
         op: "sum" or "avg" (a lossy codec cannot compute min/max).
         codec: spec string or codec object (see ``commwire.codecs.get``).
-        out: optional array for the result.
+        out: optional array of x's shape and dtype for the result.
         name: stable tensor name; keys error-feedback state and labels statistics.
         segment_bytes: FP32 bytes per pipeline segment; default: tuned on the first calls of each
             size among ``PEER_CHOICES`` payload bytes per peer (see ``_Tuner``).
@@ -444,28 +453,70 @@ def compressed_allreduce(
     codec = resolve_codec(codec)
     if codec.lossless:
         return comm.allreduce(x, op, out=out, name=name)
-    if op not in ("sum", "avg", "average", "mean"):
-        raise ValueError(f"op={op!r} cannot run on codec {codec.spec!r} payloads; use op='sum' or 'avg', or codec=None")
-    adapter = adapter_for(x)
-    host = adapter.host(x)
-    if host.dtype.kind != "f" and host.dtype.name != "bfloat16":
-        raise TypeError(f"codec {codec.spec!r} needs a float array, got {host.dtype}; pass codec=None for integers")
-    if comm.check:
-        comm._verify("compressed_allreduce", name, host.shape, str(host.dtype), op, None, codec.spec)
-    start = _perf()
-    key = name if name is not None else ("shape", host.shape)
-    flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
-    flat = codec.tensor_forward(flat, key)
-    small = flat.size * 4 < small_bytes or comm.size == 1
-    # Decode straight into the caller's float32 `out` when it can take the result;
-    # the pipeline only overwrites segments it has already encoded, so out=x works.
-    direct = None if out is None or small else adapter_for(out).out_view(out)
-    if direct is not None and (direct.dtype != _F32 or direct.size != flat.size
-                               or (out is not x and np.may_share_memory(direct, flat))):
-        direct = None
-    result = direct.reshape(-1) if direct is not None else np.empty(flat.size, dtype=_F32)
-    run = _Run(comm, codec, key, op != "sum")
-    if small:
+    error = adapter = host = None
+    try:
+        if _op_label(op) not in ("sum", "avg"):
+            raise ValueError(f"op={op!r} cannot run on codec {codec.spec!r} payloads; use op='sum' or 'avg', "
+                             "or codec=None")
+        adapter = adapter_for(x)
+        host = adapter.host(x)
+        if host.dtype.kind != "f" and host.dtype.name != "bfloat16":
+            raise TypeError(f"codec {codec.spec!r} needs a float array, got {host.dtype}; pass codec=None for "
+                            "integers")
+        _check_out(x, out, "compressed allreduce")
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (Communicator._guarded)
+        error = exc
+    shape, dtype = (host.shape, str(host.dtype)) if host is not None else _describe(x)
+    sig = ("compressed_allreduce", name, shape, dtype, _op_label(op), None, (codec.spec, segment_bytes, small_bytes),
+           _device_of(x))
+    average = sig[4] != "sum"
+
+    def run() -> Any:
+        assert host is not None and adapter is not None
+        start = _perf()
+        key = name if name is not None else ("shape", host.shape)
+        flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
+        flat = codec.tensor_forward(flat, key)
+        small = flat.size * 4 < small_bytes or comm.size == 1
+        # Decode straight into the caller's float32 `out` when it can take the result;
+        # the pipeline only overwrites segments it has already encoded, so out=x works.
+        direct = None if out is None or small else adapter_for(out).out_view(out)
+        if direct is not None and (direct.dtype != _F32 or direct.size != flat.size
+                                   or (out is not x and np.may_share_memory(direct, flat))):
+            direct = None
+        result = direct.reshape(-1) if direct is not None else np.empty(flat.size, dtype=_F32)
+        run = _reduce_flat(comm, codec, key, flat, result, average, segment_bytes, small_bytes)
+        codec.tensor_inverse(result, key)
+        adapter.release(host)
+        if direct is not None:
+            value = out
+        else:
+            shaped = result.reshape(host.shape)
+            final = shaped if host.dtype == _F32 else shaped.astype(host.dtype)
+            value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
+        end = _perf()
+        counters = comm.counters
+        counters.record("compressed_allreduce", run.wire_sent, end - start, input_bytes=host.nbytes)
+        counters.record_codec(codec.spec, run.encoded_elems * 4, run.encoded_wire, run.encoded_elems)
+        counters.add("compressed_allreduce_phases", **run.times)
+        if comm.timeline is not None:
+            comm.timeline.add(name or "compressed_allreduce", start, end, op="compressed_allreduce",
+                              codec=codec.spec, bytes=run.wire_sent, **{k + "_s": v for k, v in run.times.items()})
+        return value
+
+    def dummy(agreed_sig: tuple[Any, ...]) -> None:
+        n = int(np.prod(agreed_sig[2], dtype=np.int64))
+        flat = np.zeros(n, dtype=_F32)
+        _reduce_flat(comm, codec, None, flat, np.empty_like(flat), average, segment_bytes, small_bytes, dry=True)
+
+    return comm._guarded(("compressed_allreduce", name), sig, error, run, dummy)
+
+
+def _reduce_flat(comm: Communicator, codec: Codec, key: Hashable, flat: np.ndarray, result: np.ndarray,
+                 average: bool, segment_bytes: int | None, small_bytes: int, dry: bool = False) -> _Run:
+    """Reduce one flat FP32 vector into ``result`` (a dry run moves zeros in the same message pattern)."""
+    run = _Run(comm, codec, key, average, dry=dry)
+    if flat.size * 4 < small_bytes or comm.size == 1:
         run.gathered(flat, result)
     elif segment_bytes:
         run.pipelined(flat, result, segment_bytes)
@@ -475,23 +526,7 @@ def compressed_allreduce(
         t0 = _perf()
         run.pipelined(flat, result, seg)
         tuner.record(comm, seg, _perf() - t0)
-    codec.tensor_inverse(result, key)
-    adapter.release(host)
-    if direct is not None:
-        value = out
-    else:
-        shaped = result.reshape(host.shape)
-        final = shaped if host.dtype == _F32 else shaped.astype(host.dtype)
-        value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
-    end = _perf()
-    counters = comm.counters
-    counters.record("compressed_allreduce", run.wire_sent, end - start, input_bytes=host.nbytes)
-    counters.record_codec(codec.spec, run.encoded_elems * 4, run.encoded_wire, run.encoded_elems)
-    counters.add("compressed_allreduce_phases", **run.times)
-    if comm.timeline is not None:
-        comm.timeline.add(name or "compressed_allreduce", start, end, op="compressed_allreduce",
-                          codec=codec.spec, bytes=run.wire_sent, **{k + "_s": v for k, v in run.times.items()})
-    return value
+    return run
 
 
 def compressed_allreduce_async(comm: Communicator, x: Any, op: str = "sum", *, codec: Any, out: Any = None,

@@ -27,10 +27,11 @@ __all__ = [
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
-# dtypes every collective accepts; reductions of the two half types run in float32
-# because MPI has no 16-bit floating-point reduction.
+# dtypes every collective accepts (data moves: all; reductions: see commwire.comm.reduce);
+# reductions of the two half types run in float32 because MPI has no 16-bit float arithmetic.
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(d) for d in (np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64, np.uint8)
+    np.dtype(d) for d in (np.float16, BFLOAT16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+                          np.uint8, np.uint16, np.uint32, np.uint64, np.bool_)
 )
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 HALF_DTYPES = frozenset((np.dtype(np.float16), BFLOAT16))

@@ -1,37 +1,164 @@
-"""Verify that all ranks call the same collective with matching arguments.
+"""Agree on a collective's arguments, so that every rank learns a verdict together.
 
 A rank that calls allreduce on a (3,) float32 array while another passes a
-(4,) float64 one makes MPI hang or return garbage. In check mode every
-collective first gathers a small signature from all ranks; any disagreement
-raises ``CollectiveMismatchError`` on every rank, listing each rank's value.
+(4,) float64 one makes MPI hang or return garbage, and an error that one rank
+finds by itself (an unsupported dtype, an average of integers, a root that is
+not a rank) leaves the others waiting in a collective it never joins. So every
+rank first validates its own arguments without raising, and the ranks then
+exchange a small *descriptor* — a hash of the signature (operation, name,
+shape, dtype, reduction, root, codec) and a status (valid, invalid, joined) —
+in one Allgather. Only when something differs do they exchange the full
+signatures and error messages, and every rank raises the same exception with
+each rank's value, so the next collective pairs up as it should.
+
+``Communicator`` decides when to run this exchange (see its ``check``); this
+module holds the exchange itself and the messages.
 """
 
 from __future__ import annotations
 
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CollectiveMismatchError", "verify"]
+import numpy as np
+
+__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "signature_hash",
+           "OK", "INVALID", "JOINED"]
 
 
-class CollectiveMismatchError(ValueError):
-    """Ranks disagree on the operation, shape, dtype or reduction of a collective."""
+class CollectiveMismatchError(ValueError, RuntimeError):
+    """Ranks disagree on the operation, shape, dtype, reduction, root or codec of a collective.
+
+    A ``ValueError`` (commwire's arguments are wrong) and a ``RuntimeError``
+    (what Horovod raises for the same mistake), so either ``except`` catches it.
+    """
 
 
-_FIELDS = ("operation", "name", "shape", "dtype", "op", "root", "codec")
+class CollectiveError(RuntimeError):
+    """A collective failed on some ranks for reasons of different kinds; raised on every rank alike."""
 
 
-def verify(mpi_comm: Any, signature: tuple[Any, ...]) -> None:
-    """Gather ``signature`` from every rank and raise if any field differs."""
-    everyone = mpi_comm.allgather(signature)
-    if all(sig == everyone[0] for sig in everyone):
-        return
+OK, INVALID, JOINED = 0, 1, 2
+_FIELDS = ("operation", "name", "shape", "dtype", "op", "root", "codec", "device")
+_ROW_COLLECTIVES = ("allgather", "alltoall")  # their first dimension may differ between ranks
+# Exception types a verdict may carry to the other ranks: builtin or commwire's own,
+# so every rank can raise the same type (anything else travels as CollectiveError).
+_PORTABLE_MODULES = ("builtins",)
+
+
+def signature_hash(sig: tuple[Any, ...]) -> int:
+    """Return a 63-bit hash of ``sig`` that is the same in every process (``hash()`` is salted)."""
+    raw = repr(sig).encode()
+    return (zlib.crc32(raw) << 31) ^ zlib.adler32(raw)
+
+
+@dataclass(slots=True)
+class Round:
+    """What one exchange established: which ranks have joined, and the agreed signature of the others."""
+
+    joined: list[int] = field(default_factory=list)
+    sig: tuple[Any, ...] | None = None
+    joined_for: list[int] = field(default_factory=list)
+
+    @property
+    def everyone_joined(self) -> bool:
+        """Whether every rank is inside ``join()``."""
+        return self.sig is None
+
+
+def exchange(mpi_comm: Any, sig: tuple[Any, ...] | None, error: BaseException | None, *,
+             joined_for: int = -1) -> Round:
+    """Exchange descriptors; raise the same error on every active rank if any rank's arguments are bad.
+
+    Args:
+        mpi_comm: the mpi4py communicator of the collective.
+        sig: this rank's signature (None on a rank inside ``join()``).
+        error: the error this rank found in its own arguments, or None.
+        joined_for: on a rank inside ``join()``, how many exchanges it has been joined for (else -1).
+
+    Returns:
+        The ranks that have joined and the agreed signature (None when every rank has joined).
+        A rank inside ``join()`` never raises: it learns of the failure and waits for the next call.
+    """
+    status = JOINED if sig is None else (INVALID if error is not None else OK)
+    mine = np.array([signature_hash(sig) if sig is not None else 0, status, joined_for], dtype=np.int64)
+    everyone = np.empty((mpi_comm.Get_size(), 3), dtype=np.int64)
+    mpi_comm.Allgather(mine, everyone)
+    statuses = everyone[:, 1]
+    joined = [int(r) for r in np.flatnonzero(statuses == JOINED)]
+    joined_for_all = [int(v) for v in everyone[:, 2]]
+    if len(joined) == len(statuses):
+        return Round(joined=joined, sig=None, joined_for=joined_for_all)
+    active = statuses != JOINED
+    if not (statuses == INVALID).any() and len(set(everyone[active, 0].tolist())) == 1 and not joined:
+        return Round(joined=[], sig=sig, joined_for=joined_for_all)
+    # Something differs: the full signatures and messages travel (rare, so pickling is fine).
+    details = mpi_comm.allgather((sig, _portable(error)))
+    problem = _verdict(details, mpi_comm.Get_rank())
+    if problem is not None:
+        if sig is None:  # inside join(): the active ranks raise, this one waits for their next call
+            return Round(joined=joined, sig=("failed",), joined_for=joined_for_all)
+        raise problem
+    agreed = next(s for s, _ in details if s is not None)
+    return Round(joined=joined, sig=agreed, joined_for=joined_for_all)
+
+
+def _portable(error: BaseException | None) -> tuple[type, str] | None:
+    if error is None:
+        return None
+    cls = type(error)
+    if cls.__module__ not in _PORTABLE_MODULES and not cls.__module__.startswith("commwire"):
+        cls = CollectiveError
+    return cls, str(error)
+
+
+def _verdict(details: list[tuple[Any, Any]], rank: int) -> BaseException | None:
+    """Return the exception every active rank raises for these signatures and errors, or None."""
+    size = len(details)
+    sigs = [s for s, _ in details]
+    active = [r for r in range(size) if sigs[r] is not None]
+    failed = [(r, details[r][1]) for r in active if details[r][1] is not None]
+    label = _label(sigs[active[0]])
+    where = f"(this is rank {rank} of {size})"
+    if failed:
+        kinds = {cls for _, (cls, _) in failed}
+        cls = kinds.pop() if len(kinds) == 1 else CollectiveError
+        lines = [f"{label} failed {where}:"]
+        lines += [f"  rank {r}: {message}" for r, (_, message) in failed]
+        fine = [r for r in active if details[r][1] is None]
+        if fine:
+            lines.append(f"  ranks {fine} passed valid arguments; every rank raises this error")
+        return _make(cls, "\n".join(lines))
+    differing = _differences([sigs[r] for r in active], active)
+    if differing:
+        return CollectiveMismatchError(
+            f"ranks disagree on {label} {where}:\n" + "\n".join(differing)
+            + "\nmake every rank pass the same arguments (and call the same collectives in the same order)")
+    return None
+
+
+def _label(sig: tuple[Any, ...]) -> str:
+    op, name = sig[0], sig[1] if len(sig) > 1 else None
+    return f"collective {op!r}" + (f" (name {name!r})" if name is not None else "")
+
+
+def _differences(sigs: list[tuple[Any, ...]], ranks: list[int]) -> list[str]:
     lines = []
-    for field_index, field in enumerate(_FIELDS[: len(signature)]):
-        values = [sig[field_index] if len(sig) > field_index else None for sig in everyone]
+    width = max(len(s) for s in sigs)
+    for i in range(width):
+        values = [s[i] if i < len(s) else None for s in sigs]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            lines.append(f"  {field} differs -> {per_rank}")
-    raise CollectiveMismatchError(
-        f"ranks disagree on collective {signature[0]!r} (rank {mpi_comm.Get_rank()} of "
-        f"{mpi_comm.Get_size()}):\n" + "\n".join(lines) + "\nmake every rank pass the same arguments"
-    )
+            field_name = _FIELDS[i] if i < len(_FIELDS) else f"argument {i}"
+            if i == 2 and sigs[0][0] in _ROW_COLLECTIVES:
+                field_name = "trailing shape (all dimensions but the first)"
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
+            lines.append(f"  {field_name} differs -> {per_rank}")
+    return lines
+
+
+def _make(cls: type, message: str) -> BaseException:
+    try:
+        return cls(message)
+    except Exception:  # noqa: BLE001 - an exception type that does not take one message
+        return CollectiveError(message)

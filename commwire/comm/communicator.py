@@ -1,36 +1,69 @@
 """Collectives over an mpi4py communicator for numpy, torch and cupy arrays.
 
-Every collective has one implementation that prepares the buffers and a
-finishing step; the blocking and non-blocking variants only differ in the MPI
-primitive passed in (``Allreduce`` vs ``Iallreduce``) and in when the finishing
-step runs (at once, or when the handle completes).
+Every collective validates its arguments without raising, then runs under one
+agreement protocol (``Communicator._guarded``), so that an error any rank
+finds — in its own arguments or in a mismatch with the others' — is raised on
+every rank of the collective together, and the next collective pairs up:
+
+* ``check=True``: every call starts with a descriptor exchange
+  (commwire.comm.check); the job's ranks learn each other's verdict before any
+  data moves. This mode also lets ranks ``join()`` (uneven data: a joined rank
+  contributes zeros to the others' all-reduces), as Horovod's negotiation does.
+* ``check="first"`` (default): the first call of each (operation, name) runs
+  the exchange and remembers the agreed signature. Later calls carry only a
+  deviation flag: every rank runs the data movement with the remembered
+  signature — a rank whose arguments deviate, or are invalid, moves zeros —
+  and the flag travels in the same buffer (all-reduces up to 16 KiB, so the
+  latency-bound case costs one message) or in a tiny all-reduce overlapped
+  with the data. A raised flag sends every rank to the full exchange: either
+  every rank changed its arguments alike (a new shape for the same name; the
+  collective is redone) or every rank raises the same error.
+* ``check=False``: no agreement; a bad argument raises on its rank only.
 
 Moves that need no arithmetic (broadcast, allgather, alltoall) travel as raw
-bytes, so every dtype works. Reductions of float16/bfloat16 run in float32,
-because MPI has no 16-bit floating-point sum, and are rounded back once.
+bytes, so every dtype works. Reductions of float16/bfloat16 run in float32 and
+are rounded back once (commwire.comm.reduce). Non-blocking variants run the
+blocking collective on the communicator's background lane (commwire.comm.lane),
+on a duplicate communicator, so they make progress while the caller computes
+and never interleave with the caller's own collectives.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from . import arrays
-from .arrays import HALF_DTYPES, adapter_for, check_dtype
-from .check import verify
-from .handle import Handle
+from .arrays import HALF_DTYPES, adapter_for, check_dtype, dtype_name
+from .check import Round, exchange
+from .handle import Handle, in_lane, wait_requests
+from .reduce import REDUCE_OPS, check_reduction, flag_values, mpi_op, normalize_op, work_dtype
 from .stats import Counters
 from .timeline import Timeline
 
-__all__ = ["Communicator", "REDUCE_OPS"]
+__all__ = ["Communicator", "REDUCE_OPS", "split_rows"]
 
-REDUCE_OPS = ("sum", "avg", "min", "max")
-_ALIASES = {"average": "avg", "mean": "avg", "add": "sum"}
-_FLOAT32 = np.dtype(np.float32)
-_MAX_FIRST_CHECKS = 4096  # distinct (operation, name) pairs checked in "first" mode; names made per step stop there
+_FUSED_BYTES = 16 << 10
+"""All-reduces up to this many (work-dtype) bytes carry their deviation flag in their own buffer."""
+_VERIFIED_KEYS = 4096
+"""Agreed signatures remembered per communicator (oldest forgotten first: names made per step cost an exchange)."""
+_JOINABLE = frozenset(("sum", "avg", "min", "max", "prod"))
 _perf = time.perf_counter
+
+
+@dataclass(slots=True)
+class _Agreed:
+    """A signature every rank agreed on, and what the all-reduce fast path needs of it."""
+
+    sig: tuple[Any, ...]
+    fused: tuple[Any, ...] | None = None  # (n, work dtype, MPI op, valid flag, deviating flag, average)
+    shape: tuple[int, ...] | None = None
+    dtype: np.dtype | None = None
+    op: Any = None
 
 
 class Communicator:
@@ -39,10 +72,10 @@ class Communicator:
     Args:
         mpi_comm: the mpi4py communicator to use (e.g. ``MPI.COMM_WORLD``).
         counters: where to record operation counts, bytes and times.
-        check: verify that ranks agree on a collective's arguments: True before
-            every call, "first" (default) on the first call of each (operation,
-            name) — the first 4096 distinct pairs, so names made per step cost
-            nothing after that — False never.
+        check: how ranks agree on a collective's arguments (see the module
+            docstring): True before every call (and ``join()`` works), "first"
+            (default) on the first call of each (operation, name) and by a
+            flag afterwards, False never.
         timeline: optional Chrome-trace recorder.
         cuda_aware: hand CUDA buffers straight to MPI instead of staging them.
 
@@ -72,19 +105,10 @@ class Communicator:
         if check not in (False, True, "first"):
             raise ValueError(f"check={check!r} is not valid; use False, 'first' or True")
         self.check: bool | str = check
-        self._seen: set[tuple[Any, ...]] = set()
-        self._seen_allreduce: set[str | None] = set()
+        self._agreed: OrderedDict[tuple[Any, ...], _Agreed] = OrderedDict()
         self.timeline = timeline
         self.cuda_aware = cuda_aware
-        self._mpi_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
         self._node: Communicator | None = None
-        # (op, dtype) -> (MPI op, average?) for the fast allreduce path
-        self._fast_ops = {
-            (op, np.dtype(dt)): self._reduce_op(op, np.dtype(dt))
-            for op in (*REDUCE_OPS, *_ALIASES)
-            for dt in (np.float32, np.float64, np.int32, np.int64, np.uint8)
-            if not (_ALIASES.get(op, op) == "avg" and np.dtype(dt).kind in "iu")
-        }
         self.watchdog = watchdog
         self.uid = uid  # the same on every member: names this communicator in stall reports
         self._seq = 0
@@ -93,75 +117,143 @@ class Communicator:
     def __repr__(self) -> str:
         return f"<commwire.Communicator rank {self.rank} of {self.size}>"
 
-    # ----------------------------------------------------------------- helpers
-    def _reduce_op(self, op: str, dtype: np.dtype) -> tuple[Any, bool]:
-        key = _ALIASES.get(op, op) if isinstance(op, str) else op
-        mop = self._mpi_ops.get(key)
-        if mop is None:
-            raise ValueError(f"op={op!r} is not supported; use one of {', '.join(REDUCE_OPS)}")
-        average = key == "avg"
-        if average and dtype.kind in "iu":
-            raise TypeError(
-                f"op='avg' on {dtype} would truncate; use op='sum' and divide, or cast to a float dtype"
-            )
-        if key in ("min", "max") and (dtype.kind == "f" or dtype in HALF_DTYPES):
-            mop = _nan_ops()[key]
-        return mop, average
+    # --------------------------------------------------------------- agreement
+    def _guarded(self, key: tuple[Any, ...], sig: tuple[Any, ...], error: BaseException | None,
+                 run: Callable[[], Any], dummy: Callable[[tuple[Any, ...]], Any],
+                 fused: Callable[[_Agreed, bool], tuple[Any, bool]] | None = None) -> Any:
+        """Run one collective under the agreement protocol (see the module docstring).
 
-    def _launch(
-        self,
-        opname: str,
-        name: str | None,
-        nbytes: int,
-        call: Callable[..., Any],
-        args: tuple[Any, ...],
-        finish: Callable[[], Any],
-        nonblocking: bool,
-    ) -> Any:
-        start = _perf()
-        counters, timeline, watchdog = self.counters, self.timeline, self.watchdog
-
-        def complete() -> Any:
-            result = finish()
-            end = _perf()
-            counters.record(opname, nbytes, end - start)
-            if timeline is not None:
-                timeline.add(name or opname, start, end, op=opname, bytes=nbytes)
+        ``run()`` moves this rank's data; ``dummy(sig)`` moves zeros shaped by
+        an agreed signature; ``fused(agreed, deviates)`` does the data movement
+        with the flag in the same buffer and returns (result, flagged).
+        """
+        check = self.check
+        if check is False:
+            if error is not None:
+                raise error
+            return run()
+        agreed = self._agreed.get(key) if check == "first" else None
+        if agreed is None:
+            self._agree(sig, error)
+            if check == "first":
+                self._remember(key, sig)
+            return run()
+        deviates = error is not None or sig != agreed.sig
+        if fused is not None and agreed.fused is not None:
+            result, flagged = fused(agreed, deviates)
+        else:
+            flag = self._flag_start(deviates)
+            try:
+                result = dummy(agreed.sig) if deviates else run()
+            finally:
+                flagged = self._flag_wait(flag, sig)
+        if not flagged:
             return result
+        # Some rank deviated: every rank is here. Either all changed alike (agree, remember, redo)
+        # or the exchange raises the same error on every rank. Nobody's buffers were written:
+        # deviating ranks moved zeros, and a redo happens only when every rank deviated.
+        self._agree(sig, error)
+        self._remember(key, sig)
+        return run()
 
-        if watchdog is None:
-            if nonblocking:
-                return Handle([call(*args)], complete, name)
-            call(*args)
-            return complete()
-        self._seq += 1
-        if nonblocking:
-            return Handle([call(*args)], complete, name, (watchdog, self.uid, self._seq, opname))
-        token = watchdog.enter(self.uid, self._seq, opname, name)
+    def _agree(self, sig: tuple[Any, ...], error: BaseException | None) -> Round:
+        with self.watched("check " + str(sig[0]), sig[1]):
+            rnd = exchange(self.mpi, sig, error)
+        if rnd.joined and not (sig[0] == "allreduce" and sig[4] in _JOINABLE):
+            raise RuntimeError(
+                f"{sig[0]} {sig[1]!r}: rank(s) {rnd.joined} of {self.size} have called join() and take part only "
+                "in all-reduces (sum, avg, min, max, prod); call this collective before join() on every rank")
+        return rnd
+
+    def _remember(self, key: tuple[Any, ...], sig: tuple[Any, ...]) -> None:
+        # Every rank remembers (and forgets) the same keys in the same order, so they
+        # always agree on which calls are first calls.
+        self._agreed.pop(key, None)
+        if len(self._agreed) >= _VERIFIED_KEYS:
+            self._agreed.popitem(last=False)
+        self._agreed[key] = _agreed_entry(sig, self.size, self.cuda_aware)
+
+    def _flag_start(self, deviates: bool) -> tuple[Any, np.ndarray, np.ndarray]:
+        mine = np.array([int(deviates)], dtype=np.int32)
+        everyone = np.empty(1, dtype=np.int32)
+        return self.mpi.Iallreduce(mine, everyone, self._MPI.MAX), mine, everyone
+
+    def _flag_wait(self, flag: tuple[Any, np.ndarray, np.ndarray], sig: tuple[Any, ...]) -> bool:
+        with self.watched("check " + str(sig[0]), sig[1]):
+            wait_requests([flag[0]])
+        return bool(flag[2][0])
+
+    def join(self) -> int:
+        """Take part in the other ranks' all-reduces with zeros until every rank has joined.
+
+        For uneven data: a rank that has run out of batches calls ``join()``
+        and the others keep training; their all-reduces count it as zeros
+        (averages still divide by the full size, as in Horovod). Other
+        collectives raise on the ranks that call them while some rank has
+        joined. Needs ``check=True`` (every collective starts with the
+        exchange that tells a joined rank what the others do).
+
+        Returns:
+            The rank that joined last (the same on every rank; the highest of
+            those that joined together).
+        """
+        if self.check is not True:
+            raise RuntimeError("join() needs a communicator that agrees on every collective: create it with "
+                               "check=True (commwire.torch's process sets are), or call the collectives on every rank")
+        rounds = 0
+        while True:
+            with self.watched("join"):
+                rnd = exchange(self.mpi, None, None, joined_for=rounds)
+            if rnd.everyone_joined:
+                return max(r for r, n in enumerate(rnd.joined_for) if n == 0)
+            sig = rnd.sig
+            if sig is not None and sig[0] == "allreduce" and sig[4] in _JOINABLE:
+                n, wdt, mop, _ = _reduction_of(sig)
+                self._move("allreduce", sig[1], self.mpi.Allreduce, self.mpi.Iallreduce,
+                           (self._MPI.IN_PLACE, np.zeros(n, dtype=wdt), mop))
+            rounds += 1
+
+    # ---------------------------------------------------------------- helpers
+    def _move(self, opname: str, name: str | None, blocking: Callable[..., Any], nonblocking: Callable[..., Any],
+              args: tuple[Any, ...]) -> None:
+        """Run one MPI data movement (a lane thread waits without holding its core)."""
+        watchdog = self.watchdog
+        token = None
+        if watchdog is not None:
+            self._seq += 1
+            token = watchdog.enter(self.uid, self._seq, opname, name)
         try:
-            call(*args)
+            if in_lane():
+                wait_requests([nonblocking(*args)])
+            else:
+                blocking(*args)
         finally:
-            watchdog.leave(token)
-        return complete()
+            if token is not None:
+                watchdog.leave(token)
+
+    def _record(self, opname: str, name: str | None, nbytes: int, start: float) -> None:
+        end = _perf()
+        self.counters.record(opname, nbytes, end - start)
+        if self.timeline is not None:
+            self.timeline.add(name or opname, start, end, op=opname, bytes=nbytes)
 
     def watched(self, opname: str, name: str | None = None) -> Any:
         """Return a context manager that registers a blocking wait with the stall watchdog."""
         return _Watched(self, opname, name)
 
-    def _verify(self, *signature: Any) -> None:
-        # check=True: every call; check="first" (the default): the first call of each
-        # (operation, name), which every rank of a correct program reaches together.
-        if self.check is True or (self.check == "first" and signature[:2] not in self._seen
-                                  and len(self._seen) < _MAX_FIRST_CHECKS):
-            if self.check == "first":
-                self._seen.add(signature[:2])
-                if signature[0] == "allreduce":
-                    self._seen_allreduce.add(signature[1])  # lets allreduce's fast path skip the tuple
-            with self.watched("check " + str(signature[0]), signature[1]):
-                verify(self.mpi, signature)
-
     def _device_direct(self, x: Any) -> bool:
         return self.cuda_aware and arrays.is_device_array(x)
+
+    def _async(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Handle:
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            # No background lane without thread level "multiple": run now (a completed handle
+            # keeps every rank's order of collectives intact).
+            return _Done(method(self, *args, **kwargs), kwargs.get("name"))
+        from .lane import lane_for
+
+        return lane_for(self).submit(method, *args, **kwargs)
 
     # ------------------------------------------------------------- allreduce
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None, name: str | None = None) -> Any:
@@ -169,185 +261,191 @@ class Communicator:
 
         Args:
             x: numpy array, torch tensor or cupy array (any supported dtype).
-            op: ``"sum"``, ``"avg"``, ``"min"`` or ``"max"``.
-            out: optional array to write the result into; ``out=x`` reduces in place.
-            name: label for the timeline, statistics and consistency checks.
+            op: ``"sum"``, ``"avg"``, ``"min"``, ``"max"``, ``"prod"`` or ``"adasum"``.
+            out: optional array of x's shape and dtype to write the result into; ``out=x`` reduces in place.
+            name: label for the timeline, statistics and the agreement check.
 
         Returns:
             The reduced array, of the same kind, dtype, shape and device as ``x``.
         """
-        # Fast path for the latency-bound common case (contiguous numpy array of
-        # an MPI-native dtype, no checking or timeline): the general path below
-        # costs a few microseconds of Python, as much as a small MPI_Allreduce.
-        if (type(x) is np.ndarray and self.timeline is None and x.flags.c_contiguous
-                and (not self.check or (self.check == "first" and name in self._seen_allreduce))):
-            entry = self._fast_ops.get((op, x.dtype))
-            if entry is not None:
-                if out is None:
-                    recv, sendbuf = np.empty_like(x), x
-                elif out is x:
-                    recv, sendbuf = x, self._MPI.IN_PLACE
-                elif (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
-                        and out.flags.c_contiguous and not np.may_share_memory(out, x)):
-                    recv, sendbuf = out, x
-                else:
-                    return self._allreduce(x, op, out, name, False)
-                start = _perf()
-                watchdog = self.watchdog
-                if watchdog is None:
-                    self.mpi.Allreduce(sendbuf, recv, entry[0])
-                else:
-                    self._seq += 1
-                    token = watchdog.enter(self.uid, self._seq, "allreduce", name)
-                    try:
-                        self.mpi.Allreduce(sendbuf, recv, entry[0])
-                    finally:
-                        watchdog.leave(token)
-                if entry[1]:
-                    np.divide(recv, self.size, out=recv)
-                self.counters.record("allreduce", x.nbytes, _perf() - start)
-                return recv
-        return self._allreduce(x, op, out, name, False)
+        # Fast path for the latency-bound common case (a small contiguous numpy array whose
+        # signature was agreed before): the general path costs a few microseconds of Python,
+        # as much as the MPI_Allreduce itself.
+        if type(x) is np.ndarray and self.check == "first" and self.timeline is None and (out is None or out is x):
+            agreed = self._agreed.get(("allreduce", name))
+            if (agreed is not None and agreed.fused is not None and agreed.op == op and x.dtype == agreed.dtype
+                    and x.shape == agreed.shape and x.flags.c_contiguous):
+                return self._allreduce_fast(agreed, x, out, name)
+        return self._allreduce(x, op, out, name)
 
     def allreduce_async(self, x: Any, op: str = "sum", *, out: Any = None, name: str | None = None) -> Handle:
-        """Start an all-reduce and return a handle whose ``wait()`` gives the result."""
-        return self._allreduce(x, op, out, name, True)
+        """Start an all-reduce on the background lane; the handle's ``wait()`` gives the result."""
+        return self._async(Communicator.allreduce, x, op, out=out, name=name)
 
-    def _allreduce(self, x: Any, op: str, out: Any, name: str | None, nonblocking: bool) -> Any:
-        if self._device_direct(x):
-            return self._allreduce_device(x, op, out, name, nonblocking)
-        adapter = adapter_for(x)
-        send = adapter.host(x)
-        dtype = send.dtype
-        check_dtype(dtype)
-        mop, average = self._reduce_op(op, dtype)
-        if self.check:  # cheap test first: _verify decides between first-call and full checks
-            self._verify("allreduce", name, send.shape, str(dtype), op)
-        half = dtype in HALF_DTYPES
-        work = send.astype(_FLOAT32) if half else send
-        # Reduce straight into the caller's `out` when its memory can take the
-        # result (same dtype and size, contiguous host memory): no extra copy.
-        direct = None if out is None or half else adapter_for(out).out_view(out)
-        if direct is not None and direct.dtype == dtype and direct.size == send.size:
-            recv = direct.reshape(send.shape)
-            if out is x or (direct is send):
-                sendbuf = self._MPI.IN_PLACE
-            elif np.may_share_memory(recv, send):  # partial overlap: MPI forbids it, use a temporary
-                direct, recv, sendbuf = None, np.empty_like(work), work
+    def _allreduce_fast(self, agreed: _Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
+        n, wdt, mop, valid, _, average = agreed.fused
+        start = _perf()
+        buf = np.empty(n + 1, dtype=wdt)
+        buf[:n] = x.reshape(-1)
+        buf[n] = valid
+        self._move("allreduce", name, self.mpi.Allreduce, self.mpi.Iallreduce, (self._MPI.IN_PLACE, buf, mop))
+        if buf[n] != valid:  # another rank deviated: the exchange raises here as there
+            self._agree(agreed.sig, None)
+            raise RuntimeError(f"allreduce {name!r}: a rank flagged different arguments but the exchange found "
+                               "none; the ranks' records of agreed collectives differ (call the same collectives "
+                               "in the same order on every rank)")
+        result = buf[:n].reshape(x.shape)
+        if average:
+            np.divide(result, self.size, out=result)
+        if out is not None:
+            np.copyto(out, result)
+            result = out
+        self.counters.record("allreduce", x.nbytes, _perf() - start)
+        return result
+
+    def _allreduce(self, x: Any, op: str, out: Any, name: str | None) -> Any:
+        start = _perf()
+        plan: _Reduction | None = None
+        error = None
+        try:
+            plan = _Reduction(self, x, op, out)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it (see _guarded)
+            error = exc
+        sig = plan.sig(name) if plan is not None else ("allreduce", name, *_describe(x), _op_label(op), None, None,
+                                                        _device_of(x))
+        mpi = self.mpi
+
+        def run() -> Any:
+            assert plan is not None
+            if plan.op == "adasum":
+                return plan.finish(self._adasum(plan.work))
+            recv, sendbuf = plan.buffers()
+            self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (sendbuf, recv, plan.mop))
+            return plan.finish(recv)
+
+        def dummy(agreed_sig: tuple[Any, ...]) -> None:
+            n, wdt, mop, op_name = _reduction_of(agreed_sig)
+            zeros = np.zeros(n, dtype=wdt)
+            if op_name == "adasum":
+                self._adasum(zeros)
             else:
-                sendbuf = work
-        else:
-            direct = None
-            recv, sendbuf = np.empty_like(work), work
-        size = self.size
+                self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (self._MPI.IN_PLACE, zeros, mop))
 
-        def finish() -> Any:
-            if average:
-                np.divide(recv, size, out=recv)
-            adapter.release(send)
-            if direct is not None:
-                return out
-            result = recv.astype(dtype) if half else recv
-            if out is not None:
-                return adapter.write(out, result)
-            return adapter.wrap(result, x)
+        def fused(agreed: _Agreed, deviates: bool) -> tuple[Any, bool]:
+            n, wdt, mop, valid, deviating, _ = agreed.fused
+            buf = np.zeros(n + 1, dtype=wdt)
+            if not deviates:  # the agreed signature is a host one (see _agreed_entry), so is this rank's
+                assert plan is not None and not plan.device
+                buf[:n] = plan.work.reshape(-1)
+            buf[n] = deviating if deviates else valid
+            self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (self._MPI.IN_PLACE, buf, mop))
+            if buf[n] != valid:
+                return None, True
+            assert plan is not None
+            return plan.finish(buf[:n].reshape(plan.shape)), False
 
-        mpi_call = self.mpi.Iallreduce if nonblocking else self.mpi.Allreduce
-        return self._launch("allreduce", name, send.nbytes, mpi_call, (sendbuf, recv, mop), finish, nonblocking)
+        # Which path a call takes depends only on the agreed entry, never on this rank's arguments,
+        # so every rank takes the same one.
+        result = self._guarded(("allreduce", name), sig, error, run, dummy, fused)
+        self._record("allreduce", name, plan.nbytes if plan is not None else 0, start)
+        return result
 
-    def _allreduce_device(self, x: Any, op: str, out: Any, name: str | None, nonblocking: bool) -> Any:
-        # CUDA-aware MPI: hand the device buffer over directly. MPI does not know
-        # about CUDA streams, so the producing stream is synchronised first.
-        dev = _DeviceOps(x)
-        dtype = dev.numpy_dtype(x)
-        check_dtype(dtype)
-        mop, average = self._reduce_op(op, dtype)
-        if self.check:  # cheap test first: _verify decides between first-call and full checks
-            self._verify("allreduce", name, tuple(x.shape), str(dtype), op)
-        half = dtype in HALF_DTYPES
-        send = dev.contiguous(dev.to_float32(x) if half else x)
-        recv = dev.empty_like(send)
-        dev.synchronize(send)
-        size = self.size
+    def _adasum(self, work: np.ndarray) -> np.ndarray:
+        from .adasum import adasum_allreduce
 
-        def finish() -> Any:
-            result = recv / size if average else recv
-            if half:
-                result = dev.cast_like(result, x)
-            if out is not None:
-                dev.copy_into(out, result)
-                return out
-            return result
-
-        mpi_call = self.mpi.Iallreduce if nonblocking else self.mpi.Allreduce
-        nbytes = int(send.nbytes)
-        return self._launch("allreduce", name, nbytes, mpi_call, (send, recv, mop), finish, nonblocking)
+        with self.watched("allreduce adasum"):
+            return adasum_allreduce(self.mpi, np.ascontiguousarray(work))
 
     # ------------------------------------------------------------- allgather
     def allgather(self, x: Any, *, name: str | None = None) -> Any:
         """Concatenate every rank's ``x`` along the first dimension (sizes may differ)."""
-        return self._allgather(x, name, False)
+        start = _perf()
+        error = send = adapter = None
+        try:
+            adapter = adapter_for(x)
+            send = adapter.host(x)
+            check_dtype(send.dtype)
+            if send.ndim == 0:
+                send = send.reshape(1)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+        trailing = tuple(send.shape[1:]) if send is not None else _describe(x)[0]
+        sig = ("allgather", name, trailing, dtype_name(send.dtype) if send is not None else _describe(x)[1],
+               None, None, None, _device_of(x))
+        mpi = self.mpi
 
-    def allgather_async(self, x: Any, *, name: str | None = None) -> Handle:
-        """Start an all-gather; the handle's ``wait()`` returns the concatenation."""
-        return self._allgather(x, name, True)
+        def gather(rows: int, buf: np.ndarray, row_shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            counts = np.empty(self.size, dtype=np.int64)
+            self._move("allgather sizes", name, mpi.Allgather, mpi.Iallgather,
+                       (np.array([rows], dtype=np.int64), counts))
+            row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+            recv = np.empty((int(counts.sum()),) + row_shape, dtype=dtype)
+            nbytes = counts * row_bytes
+            displs = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
+            spec = [recv.reshape(-1).view(np.uint8), (nbytes, displs), self._MPI.BYTE]
+            self._move("allgather", name, mpi.Allgatherv, mpi.Iallgatherv, (buf.reshape(-1).view(np.uint8), spec))
+            return recv
 
-    def _allgather(self, x: Any, name: str | None, nonblocking: bool) -> Any:
-        adapter = adapter_for(x)
-        send = adapter.host(x)
-        check_dtype(send.dtype)
-        if send.ndim == 0:
-            send = send.reshape(1)
-        if self.check:  # cheap test first: _verify decides between first-call and full checks
-            self._verify("allgather", name, send.shape[1:], str(send.dtype))
-        with self.watched("allgather sizes", name):
-            rows = _exchange_rows(self, send)
-        recv = np.empty((int(rows.sum()),) + send.shape[1:], dtype=send.dtype)
-        row_bytes = send.itemsize * int(np.prod(send.shape[1:], dtype=np.int64))
-        counts = rows * row_bytes
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        sendbuf = send.reshape(-1).view(np.uint8)
-        recvspec = [recv.reshape(-1).view(np.uint8), (counts, displs), self._MPI.BYTE]
-
-        def finish() -> Any:
+        def run() -> Any:
+            assert send is not None and adapter is not None
+            recv = gather(send.shape[0], send, tuple(send.shape[1:]), send.dtype)
             adapter.release(send)
             return adapter.wrap(recv, x)
 
-        mpi_call = self.mpi.Iallgatherv if nonblocking else self.mpi.Allgatherv
-        return self._launch("allgather", name, send.nbytes, mpi_call, (sendbuf, recvspec), finish, nonblocking)
+        def dummy(agreed_sig: tuple[Any, ...]) -> None:
+            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]), _np_dtype(agreed_sig[3]))
+
+        result = self._guarded(("allgather", name), sig, error, run, dummy)
+        self._record("allgather", name, send.nbytes if send is not None else 0, start)
+        return result
+
+    def allgather_async(self, x: Any, *, name: str | None = None) -> Handle:
+        """Start an all-gather; the handle's ``wait()`` returns the concatenation."""
+        return self._async(Communicator.allgather, x, name=name)
 
     # ------------------------------------------------------------- broadcast
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Any:
         """Return root's ``x`` on every rank (every rank passes an array of that shape)."""
-        return self._broadcast(x, root, out, name, False)
+        start = _perf()
+        error = send = adapter = None
+        try:
+            self._check_root(root)
+            adapter = adapter_for(x)
+            send = adapter.host(x)
+            check_dtype(send.dtype)
+            _check_out(x, out, "broadcast")
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+        shape, dtype = (tuple(send.shape), dtype_name(send.dtype)) if send is not None else _describe(x)
+        sig = ("broadcast", name, shape, dtype, None, root, None, _device_of(x))
 
-    def broadcast_async(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Handle:
-        """Start a broadcast from ``root``; the handle's ``wait()`` returns the array."""
-        return self._broadcast(x, root, out, name, True)
-
-    def _broadcast(self, x: Any, root: int, out: Any, name: str | None, nonblocking: bool) -> Any:
-        self._check_root(root)
-        adapter = adapter_for(x)
-        send = adapter.host(x)
-        check_dtype(send.dtype)
-        if self.check:  # cheap test first: _verify decides between first-call and full checks
-            self._verify("broadcast", name, send.shape, str(send.dtype), None, root)
-        if out is x and adapter.kind == "numpy":
-            buf = send
-        elif self.rank == root:
-            buf = send.copy()
-        else:
-            buf = np.empty_like(send)
-
-        def finish() -> Any:
+        def run() -> Any:
+            assert send is not None and adapter is not None
+            if out is x and adapter.kind == "numpy":
+                buf = send
+            elif self.rank == root:
+                buf = send.copy()
+            else:
+                buf = np.empty_like(send)
+            self._bcast(buf, root, name)
             adapter.release(send)
             if out is not None:
                 return adapter.write(out, buf)
             return adapter.wrap(buf, x)
 
-        mpi_call = self.mpi.Ibcast if nonblocking else self.mpi.Bcast
-        args = (buf.reshape(-1).view(np.uint8), root)
-        return self._launch("broadcast", name, send.nbytes, mpi_call, args, finish, nonblocking)
+        def dummy(agreed_sig: tuple[Any, ...]) -> None:
+            self._bcast(np.zeros(_nbytes(agreed_sig[2], agreed_sig[3]), dtype=np.uint8), agreed_sig[5], name)
+
+        result = self._guarded(("broadcast", name), sig, error, run, dummy)
+        self._record("broadcast", name, send.nbytes if send is not None else 0, start)
+        return result
+
+    def broadcast_async(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Handle:
+        """Start a broadcast from ``root``; the handle's ``wait()`` returns the array."""
+        return self._async(Communicator.broadcast, x, root, out=out, name=name)
+
+    def _bcast(self, buf: np.ndarray, root: int, name: str | None) -> None:
+        self._move("broadcast", name, self.mpi.Bcast, self.mpi.Ibcast, (buf.reshape(-1).view(np.uint8), root))
 
     # -------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, x: Any, op: str = "sum", *, name: str | None = None) -> Any:
@@ -356,76 +454,118 @@ class Communicator:
         Rows are split as ``numpy.array_split`` does: the first ``len(x) % size``
         ranks get one row more.
         """
-        return self._reduce_scatter(x, op, name, False)
+        start = _perf()
+        error = plan = None
+        try:
+            if normalize_op(op) == "adasum":
+                raise NotImplementedError("reduce_scatter does not support op='adasum'; use allreduce(op='adasum')")
+            plan = _Reduction(self, x, op, None, device_ok=False)
+            if plan.work.ndim == 0:
+                raise ValueError("reduce_scatter needs an array with at least one dimension, got a scalar; "
+                                 "reshape it to (1,) or use allreduce")
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error, plan = exc, None
+        sig = plan.sig(name, "reduce_scatter") if plan is not None else (
+            "reduce_scatter", name, *_describe(x), _op_label(op), None, None, _device_of(x))
+
+        def scatter(work: np.ndarray, mop: Any) -> np.ndarray:
+            rows = split_rows(work.shape[0], self.size)
+            row_elems = int(np.prod(work.shape[1:], dtype=np.int64))
+            recv = np.empty((int(rows[self.rank]),) + work.shape[1:], dtype=work.dtype)
+            self._move("reduce_scatter", name, self.mpi.Reduce_scatter, self.mpi.Ireduce_scatter,
+                       (work, recv, rows * row_elems, mop))
+            return recv
+
+        def run() -> Any:
+            assert plan is not None
+            return plan.finish(scatter(plan.work, plan.mop))
+
+        def dummy(agreed_sig: tuple[Any, ...]) -> None:
+            _, wdt, mop, _ = _reduction_of(agreed_sig)
+            scatter(np.zeros(agreed_sig[2], dtype=wdt), mop)
+
+        result = self._guarded(("reduce_scatter", name), sig, error, run, dummy)
+        self._record("reduce_scatter", name, plan.nbytes if plan is not None else 0, start)
+        return result
 
     def reduce_scatter_async(self, x: Any, op: str = "sum", *, name: str | None = None) -> Handle:
         """Start a reduce-scatter; the handle's ``wait()`` returns this rank's block."""
-        return self._reduce_scatter(x, op, name, True)
-
-    def _reduce_scatter(self, x: Any, op: str, name: str | None, nonblocking: bool) -> Any:
-        adapter = adapter_for(x)
-        send = adapter.host(x)
-        dtype = send.dtype
-        check_dtype(dtype)
-        mop, average = self._reduce_op(op, dtype)
-        if send.ndim == 0:
-            raise ValueError("reduce_scatter needs an array with at least one dimension, got a scalar")
-        if self.check:  # cheap test first: _verify decides between first-call and full checks
-            self._verify("reduce_scatter", name, send.shape, str(dtype), op)
-        half = dtype in HALF_DTYPES
-        work = send.astype(_FLOAT32) if half else send
-        rows = split_rows(send.shape[0], self.size)
-        row_elems = int(np.prod(send.shape[1:], dtype=np.int64))
-        recv = np.empty((int(rows[self.rank]),) + send.shape[1:], dtype=work.dtype)
-        size = self.size
-
-        def finish() -> Any:
-            if average:
-                np.divide(recv, size, out=recv)
-            adapter.release(send)
-            return adapter.wrap(recv.astype(dtype) if half else recv, x)
-
-        mpi_call = self.mpi.Ireduce_scatter if nonblocking else self.mpi.Reduce_scatter
-        args = (work, recv, rows * row_elems, mop)
-        return self._launch("reduce_scatter", name, send.nbytes, mpi_call, args, finish, nonblocking)
+        return self._async(Communicator.reduce_scatter, x, op, name=name)
 
     # --------------------------------------------------------------- alltoall
     def alltoall(self, x: Any, *, name: str | None = None) -> Any:
         """Send block i of ``x``'s rows to rank i; return the blocks received, in rank order."""
-        return self._alltoall(x, name, False)
+        return self.alltoallv(x, None, name=name)[0]
 
     def alltoall_async(self, x: Any, *, name: str | None = None) -> Handle:
         """Start an all-to-all; the handle's ``wait()`` returns the received blocks."""
-        return self._alltoall(x, name, True)
+        return self._async(Communicator.alltoall, x, name=name)
 
-    def _alltoall(self, x: Any, name: str | None, nonblocking: bool) -> Any:
-        adapter = adapter_for(x)
-        send = adapter.host(x)
-        check_dtype(send.dtype)
-        if send.ndim == 0 or send.shape[0] % self.size:
-            raise ValueError(
-                f"alltoall needs a first dimension divisible by the {self.size} ranks, got shape {send.shape}; "
-                "pad the array"
-            )
-        if self.check:  # cheap test first: _verify decides between first-call and full checks
-            self._verify("alltoall", name, send.shape, str(send.dtype))
-        recv = np.empty_like(send)
+    def alltoallv(self, x: Any, splits: Any = None, *, name: str | None = None) -> tuple[Any, np.ndarray]:
+        """Send ``splits[i]`` rows of ``x`` to rank i (in order); return (rows received, rows from each rank).
 
-        def finish() -> Any:
+        With ``splits=None`` the first dimension is split equally (it must be
+        divisible by the number of ranks). Rows beyond ``sum(splits)`` are not sent.
+        """
+        start = _perf()
+        error = send = adapter = counts = None
+        try:
+            adapter = adapter_for(x)
+            send = adapter.host(x)
+            check_dtype(send.dtype)
+            counts = _splits(send, splits, self.size)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+        shape, dtype = (tuple(send.shape[1:]), dtype_name(send.dtype)) if send is not None and send.ndim else \
+            _describe(x)
+        sig = ("alltoall", name, shape, dtype, None, None, None, _device_of(x))
+        mpi = self.mpi
+
+        def exchange_rows(rows: np.ndarray, buf: np.ndarray, row_shape: tuple[int, ...],
+                          dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+            received = np.empty(self.size, dtype=np.int64)
+            self._move("alltoall sizes", name, mpi.Alltoall, mpi.Ialltoall, (rows, received))
+            row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+            recv = np.empty((int(received.sum()),) + row_shape, dtype=dtype)
+            sb, rb = rows * row_bytes, received * row_bytes
+            sd = np.concatenate(([0], np.cumsum(sb)[:-1]))
+            rd = np.concatenate(([0], np.cumsum(rb)[:-1]))
+            self._move("alltoall", name, mpi.Alltoallv, mpi.Ialltoallv,
+                       ([buf.reshape(-1).view(np.uint8), (sb, sd), self._MPI.BYTE],
+                        [recv.reshape(-1).view(np.uint8), (rb, rd), self._MPI.BYTE]))
+            return recv, received
+
+        def run() -> Any:
+            assert send is not None and adapter is not None and counts is not None
+            recv, received = exchange_rows(counts, send, tuple(send.shape[1:]), send.dtype)
             adapter.release(send)
-            return adapter.wrap(recv, x)
+            return adapter.wrap(recv, x), received
 
-        mpi_call = self.mpi.Ialltoall if nonblocking else self.mpi.Alltoall
-        args = (send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8))
-        return self._launch("alltoall", name, send.nbytes, mpi_call, args, finish, nonblocking)
+        def dummy(agreed_sig: tuple[Any, ...]) -> None:
+            exchange_rows(np.zeros(self.size, dtype=np.int64), np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]),
+                          _np_dtype(agreed_sig[3]))
+
+        result = self._guarded(("alltoall", name), sig, error, run, dummy)
+        self._record("alltoall", name, send.nbytes if send is not None else 0, start)
+        return result
 
     # ---------------------------------------------------------------- objects
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, root: int = 0, *, name: str | None = None) -> Any:
         """Return root's picklable ``obj`` on every rank."""
-        self._check_root(root)
         start = _perf()
-        with self.watched("broadcast_object"):
-            result = self.mpi.bcast(obj, root=root)
+        error = None
+        try:
+            self._check_root(root)
+        except ValueError as exc:
+            error = exc
+
+        def move(value: Any, at: int) -> Any:
+            with self.watched("broadcast_object", name):
+                return self.mpi.bcast(value, root=at)
+
+        sig = ("broadcast_object", name, None, None, None, root, None, None)
+        result = self._guarded(("broadcast_object", name), sig, error, lambda: move(obj, root),
+                               lambda agreed_sig: move(None, agreed_sig[5]))
         self.counters.record("broadcast_object", 0, _perf() - start)
         return result
 
@@ -440,8 +580,7 @@ class Communicator:
     def barrier(self) -> None:
         """Block until every rank has reached this call."""
         start = _perf()
-        with self.watched("barrier"):
-            self.mpi.Barrier()
+        self._move("barrier", None, self.mpi.Barrier, self.mpi.Ibarrier, ())
         self.counters.record("barrier", 0, _perf() - start)
 
     # ----------------------------------------------------------------- groups
@@ -449,7 +588,7 @@ class Communicator:
         """Split into sub-communicators of the ranks passing the same ``color``."""
         return self._derive(self.mpi.Split(color, key))
 
-    def new_group(self, ranks: list[int]) -> Communicator | None:
+    def new_group(self, ranks: list[int], *, check: bool | str | None = None) -> Communicator | None:
         """Return a communicator over ``ranks`` on its members and None elsewhere.
 
         Only the listed ranks need to call this (MPI_Comm_create_group).
@@ -462,9 +601,13 @@ class Communicator:
             return None
         group = self.mpi.Get_group().Incl(ranks)
         try:
-            return self._derive(self.mpi.Create_group(group))
+            return self._derive(self.mpi.Create_group(group), check=check)
         finally:
             group.Free()
+
+    def duplicate(self, *, check: bool | str | None = None) -> Communicator:
+        """Return a communicator over the same ranks whose collectives never match this one's (collective)."""
+        return self._derive(self.mpi.Dup(), check=check)
 
     def node(self) -> Communicator:
         """Return the communicator of the ranks that share this node's memory."""
@@ -472,17 +615,194 @@ class Communicator:
             self._node = self._derive(self.mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank))
         return self._node
 
-    def _derive(self, mpi_comm: Any) -> Communicator:
+    def _derive(self, mpi_comm: Any, check: bool | str | None = None) -> Communicator:
         # Derivations are collective, so every member numbers them alike.
         self._derived += 1
         return Communicator(
-            mpi_comm, counters=self.counters, check=self.check, timeline=self.timeline, cuda_aware=self.cuda_aware,
-            watchdog=self.watchdog, uid=f"{self.uid}/{self._derived}",
+            mpi_comm, counters=self.counters, check=self.check if check is None else check, timeline=self.timeline,
+            cuda_aware=self.cuda_aware, watchdog=self.watchdog, uid=f"{self.uid}/{self._derived}",
         )
 
-    def _check_root(self, root: int) -> None:
-        if not 0 <= root < self.size:
-            raise ValueError(f"root={root} is not a rank of this communicator; use 0..{self.size - 1}")
+    def _check_root(self, root: Any) -> None:
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"root={root!r} is not a rank of this communicator; use 0..{self.size - 1}")
+
+
+class _Reduction:
+    """The prepared buffers of one reduction (all-reduce or reduce-scatter) on this rank.
+
+    Building it validates everything a rank can check alone: array kind,
+    dtype, operation, ``out``.
+    """
+
+    __slots__ = ("comm", "x", "out", "adapter", "op", "dtype", "work", "send", "mop", "average", "device", "dev",
+                 "shape", "nbytes")
+
+    def __init__(self, comm: Communicator, x: Any, op: str, out: Any, device_ok: bool = True) -> None:
+        self.comm, self.x, self.out = comm, x, out
+        self.op = normalize_op(op)
+        self.device = device_ok and comm._device_direct(x) and self.op != "adasum"
+        if self.device:
+            self.dev = _DeviceOps(x)
+            self.dtype = self.dev.numpy_dtype(x)
+            if self.op in ("min", "max") and (self.dtype.kind == "f" or self.dtype in HALF_DTYPES):
+                self.device = False  # NaN-propagating min/max run in Python: reduce host copies
+        if not self.device:
+            self.adapter = adapter_for(x)
+            self.send = self.adapter.host(x)
+            self.dtype = self.send.dtype
+        check_dtype(self.dtype)
+        check_reduction(self.op, self.dtype)
+        _check_out(x, out, "allreduce")
+        self.mop = mpi_op(self.op, self.dtype) if self.op != "adasum" else None
+        self.average = self.op == "avg"
+        self.shape = tuple(x.shape)
+        half = self.dtype in HALF_DTYPES
+        if self.device:
+            self.work = self.dev.contiguous(self.dev.to_float32(x) if half else x)
+            self.nbytes = int(self.work.nbytes)
+        else:
+            self.work = self.send.astype(work_dtype(self.dtype)) if half else self.send
+            self.nbytes = int(self.send.nbytes)
+
+    def sig(self, name: str | None, operation: str = "allreduce") -> tuple[Any, ...]:
+        """Return the signature every rank must agree on."""
+        return (operation, name, self.shape, dtype_name(self.dtype), self.op, None, None,
+                "cuda" if arrays.is_device_array(self.x) else "cpu")
+
+    def buffers(self) -> tuple[Any, Any]:
+        """Return (receive buffer, send buffer or MPI.IN_PLACE) for MPI_Allreduce."""
+        if self.device:
+            self.dev.synchronize(self.work)  # MPI knows no CUDA streams: queued work must be done
+            return self.dev.empty_like(self.work), self.work
+        out, x, send = self.out, self.x, self.send
+        # Reduce straight into the caller's `out` when its memory can take the
+        # result (same dtype and size, contiguous host memory): no extra copy.
+        direct = None if out is None or self.work is not send else self.adapter.out_view(out)
+        if direct is not None and direct.dtype == self.dtype and direct.size == send.size:
+            recv = direct.reshape(send.shape)
+            if out is x or direct is send:
+                return recv, self.comm._MPI.IN_PLACE
+            if not np.may_share_memory(recv, send):
+                return recv, send
+        return np.empty_like(self.work), self.work
+
+    def finish(self, recv: Any) -> Any:
+        """Turn the reduced buffer into the result: average, cast back, copy into ``out``."""
+        size = self.comm.size
+        if self.device:
+            result = recv / size if self.average else recv
+            if self.dtype in HALF_DTYPES:
+                result = self.dev.cast_like(result, self.x)
+            if self.out is not None:
+                self.dev.copy_into(self.out, result)
+                return self.out
+            return result
+        if self.average:
+            np.divide(recv, size, out=recv)
+        self.adapter.release(self.send)
+        out_view = None if self.out is None else self.adapter.out_view(self.out)
+        if out_view is not None and np.may_share_memory(out_view, recv) and recv.dtype == self.dtype:
+            return self.out
+        result = recv.astype(self.dtype) if recv.dtype != self.dtype else recv
+        if self.out is not None:
+            return self.adapter.write(self.out, result)
+        return self.adapter.wrap(result, self.x)
+
+
+def _agreed_entry(sig: tuple[Any, ...], size: int, cuda_aware: bool) -> _Agreed:
+    """Return what later calls need of an agreed signature (the fused-flag plan for small all-reduces)."""
+    entry = _Agreed(sig)
+    if sig[0] != "allreduce" or sig[4] not in _JOINABLE or (sig[7] == "cuda" and cuda_aware):
+        return entry
+    n, wdt, mop, op = _reduction_of(sig)
+    # A sum of 0/1 flags in one byte would wrap at 256 ranks.
+    if n * wdt.itemsize > _FUSED_BYTES or (wdt.itemsize == 1 and op in ("sum", "avg") and size > 100):
+        return entry
+    valid, deviating = flag_values(op)
+    entry.fused = (n, wdt, mop, valid, deviating, op == "avg")
+    if wdt == _np_dtype(sig[3]):  # the numpy fast path returns the work buffer itself: not for half types
+        entry.shape, entry.dtype, entry.op = tuple(sig[2]), wdt, op
+    return entry
+
+
+def _reduction_of(sig: tuple[Any, ...]) -> tuple[int, np.dtype, Any, str]:
+    """Return (elements, work dtype, MPI op, op) of an agreed reduction signature."""
+    dtype = _np_dtype(sig[3])
+    op = sig[4]
+    return (int(np.prod(sig[2], dtype=np.int64)), work_dtype(dtype),
+            mpi_op(op, dtype) if op != "adasum" else None, op)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return arrays.BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * _np_dtype(dtype).itemsize
+
+
+def _describe(x: Any) -> tuple[Any, Any]:
+    """Return (shape, dtype name) of whatever ``x`` is, for error messages."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    return (tuple(shape) if shape is not None else type(x).__name__, dtype_name(dtype) if dtype is not None else None)
+
+
+def _device_of(x: Any) -> str:
+    return "cuda" if arrays.is_device_array(x) else "cpu"
+
+
+def _op_label(op: Any) -> Any:
+    try:
+        return normalize_op(op)
+    except ValueError:
+        return op
+
+
+def _check_out(x: Any, out: Any, opname: str) -> None:
+    """Raise ValueError unless ``out`` can hold the result of ``opname`` on ``x``."""
+    if out is None or out is x:
+        return
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"out= must be an array like x (numpy, torch or cupy), got {type(out).__name__}")
+    if tuple(shape) != tuple(x.shape) or dtype_name(dtype) != dtype_name(x.dtype):
+        raise ValueError(f"out= has shape {tuple(shape)} and dtype {dtype_name(dtype)}, but {opname} of x needs "
+                         f"shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}; pass such an array or out=None")
+
+
+def _splits(send: np.ndarray, splits: Any, size: int) -> np.ndarray:
+    """Return the rows to send to each rank, validated (equal blocks when ``splits`` is None)."""
+    if send.ndim == 0:
+        raise ValueError("alltoall needs an array with at least one dimension, got a scalar")
+    rows = send.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"alltoall needs a first dimension divisible by the {size} ranks, got shape "
+                             f"{tuple(send.shape)}; pad the array or pass splits=")
+        return np.full(size, rows // size, dtype=np.int64)
+    values = np.asarray(adapter_for(splits).host(splits) if not isinstance(splits, (list, tuple)) else splits)
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"splits must hold integers (e.g. int32), got dtype {dtype_name(values.dtype)}")
+    values = values.reshape(-1).astype(np.int64)
+    if values.size != size or (values < 0).any():
+        raise ValueError(f"splits must give a non-negative row count for each of the {size} ranks, "
+                         f"got {values.tolist()}")
+    if values.sum() > rows:
+        raise ValueError(f"splits sum to {int(values.sum())} rows but the tensor has only {rows}; "
+                         "make the splits add up to at most its first dimension")
+    return values
+
+
+class _Done(Handle):
+    """A handle whose operation has already completed."""
+
+    __slots__ = ()
+
+    def __init__(self, result: Any, name: str | None) -> None:
+        super().__init__([], lambda: result, name)
+        self._complete()
 
 
 class _Watched:
@@ -504,55 +824,10 @@ class _Watched:
             self.comm.watchdog.leave(self.token)
 
 
-_NAN_OPS: dict[str, Any] = {}
-
-
-def _nan_ops() -> dict[str, Any]:
-    """Return MPI min/max ops for floats that propagate NaN, as numpy's do.
-
-    MPI's built-in MIN/MAX compare with ``<``, so a NaN wins or loses depending
-    on the reduction order — different ranks can then end with different
-    results. These user-defined ops (numpy.minimum/maximum) make a NaN anywhere
-    the result everywhere.
-    """
-    if not _NAN_OPS:
-        from mpi4py import MPI
-
-        def make(fn: Any) -> Any:
-            def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-                dtype = np.float32 if datatype.Get_size() == 4 else np.float64
-                a = np.frombuffer(inbuf, dtype=dtype)
-                b = np.frombuffer(inoutbuf, dtype=dtype)
-                fn(a, b, out=b)
-
-            return MPI.Op.Create(reduce, commute=True)
-
-        _NAN_OPS.update(min=make(np.minimum), max=make(np.maximum))
-    return _NAN_OPS
-
-
 def split_rows(n: int, parts: int) -> np.ndarray:
     """Return how many of ``n`` rows each of ``parts`` ranks gets (array_split rule)."""
     base, extra = divmod(n, parts)
     return np.array([base + (i < extra) for i in range(parts)], dtype=np.int64)
-
-
-def _exchange_rows(comm: Communicator, send: np.ndarray) -> np.ndarray:
-    # Every rank learns every rank's row count, row size and dtype in one small
-    # Allgather, so a mismatch raises the same error on all ranks instead of
-    # truncating or hanging inside Allgatherv.
-    mine = np.array([send.shape[0], send.size // max(send.shape[0], 1) if send.shape[0] else -1,
-                     send.dtype.num, send.itemsize], dtype=np.int64)
-    everyone = np.empty((comm.size, 4), dtype=np.int64)
-    comm.mpi.Allgather(mine, everyone)
-    row_sizes = {int(r) for r in everyone[:, 1] if r >= 0}
-    kinds = {(int(a), int(b)) for a, b in everyone[:, 2:]}
-    if len(row_sizes) > 1 or len(kinds) > 1:
-        per_rank = ", ".join(
-            f"rank {r}: row size {int(everyone[r, 1])}, itemsize {int(everyone[r, 3])}" for r in range(comm.size)
-        )
-        raise ValueError(f"allgather needs the same trailing shape and dtype on every rank; got {per_rank}")
-    return everyone[:, 0].copy()
 
 
 class _DeviceOps:

@@ -80,18 +80,19 @@ def init(
             (fallback: COMMWIRE_ON_STALL).
     """
     global _world, _thread_level
+    _validate_init(check, timeline, thread_level, cuda_aware, abort_on_error, timeout, on_stall)
     with _lock:
         if _world is not None:
             if comm is not None and comm is not _world.mpi:
                 raise RuntimeError("commwire is already initialised with another communicator; call finalize() first")
+            _check_reinit(_world, timeline=timeline, thread_level=thread_level, cuda_aware=cuda_aware,
+                          timeout=timeout, on_stall=on_stall)
             if check is not None:
                 _world.check = check
             return _world
         level = thread_level if thread_level is not None else _config.env_choice(
             "COMMWIRE_THREAD_LEVEL", THREAD_LEVELS, "multiple"
         )
-        if level not in THREAD_LEVELS:
-            raise ValueError(f"thread_level={level!r} is not valid; use one of {', '.join(THREAD_LEVELS)}")
         MPI = _import_mpi(level)
         _thread_level = THREAD_LEVELS[MPI.Query_thread()]
         mpi_comm = comm if comm is not None else MPI.COMM_WORLD
@@ -102,10 +103,10 @@ def init(
         recorder = Timeline(path, mpi_comm.Get_rank()) if path else None
         if cuda_aware is None:
             cuda_aware = _detect_cuda_aware()
-        timeout = _config.env_float("COMMWIRE_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout
+        timeout = _config.env_float("COMMWIRE_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else float(timeout)
         on_stall = on_stall or _config.env_choice("COMMWIRE_ON_STALL", ("abort", "warn"), "abort")
         if timeout < 0:
-            raise ValueError(f"timeout={timeout} must be >= 0 seconds (0 disables the stall watchdog)")
+            raise ValueError(f"COMMWIRE_TIMEOUT={timeout:g} must be >= 0 seconds (0 disables the stall watchdog)")
         watchdog = None
         if timeout > 0 and mpi_comm.Get_size() > 1:
             from .watchdog import Watchdog
@@ -113,10 +114,54 @@ def init(
             watchdog = Watchdog(mpi_comm, timeout=timeout, action=on_stall)
         _world = Communicator(mpi_comm, counters=_counters, check=check, timeline=recorder, cuda_aware=cuda_aware,
                               watchdog=watchdog)
+        _settings.update(timeline=path or None, thread_level=level, cuda_aware=bool(cuda_aware), timeout=timeout,
+                         on_stall=on_stall)
         if _config.env_bool("COMMWIRE_ABORT_ON_ERROR", True) if abort_on_error is None else abort_on_error:
             install_abort_hook()
         atexit.register(_finalize_at_exit)
         return _world
+
+
+_settings: dict[str, Any] = {}
+
+
+def _validate_init(check: Any, timeline: Any, thread_level: Any, cuda_aware: Any, abort_on_error: Any,
+                   timeout: Any, on_stall: Any) -> None:
+    """Raise a clear error for any ``init()`` argument of the wrong type or value."""
+    if check not in (None, False, True, "first"):
+        raise ValueError(f"check={check!r} is not valid; use True (every call), 'first' (the default) or False")
+    if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
+        raise TypeError(f"timeline={timeline!r} must be a file path (str or os.PathLike) or None")
+    if thread_level is not None and thread_level not in THREAD_LEVELS:
+        raise ValueError(f"thread_level={thread_level!r} is not valid; use one of {', '.join(THREAD_LEVELS)}")
+    for flag, value in (("cuda_aware", cuda_aware), ("abort_on_error", abort_on_error)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{flag}={value!r} must be True, False or None (None: decide automatically)")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout={timeout!r} must be a number of seconds (e.g. 300; 0 disables the watchdog)")
+        if not timeout >= 0:  # also refuses NaN
+            raise ValueError(f"timeout={timeout!r} must be >= 0 seconds (0 disables the stall watchdog)")
+    if on_stall is not None and on_stall not in ("abort", "warn"):
+        raise ValueError(f"on_stall={on_stall!r} is not valid; use 'abort' or 'warn'")
+
+
+def _check_reinit(world_comm: Communicator, **asked: Any) -> None:
+    """Refuse a second ``init()`` that asks for settings other than those in force (never ignore them)."""
+    changed = []
+    for key, value in asked.items():
+        if value is None:
+            continue
+        current = _settings.get(key)
+        if key == "timeout":
+            value = float(value)
+        if key == "timeline":
+            value = os.fspath(value)
+        if value != current:
+            changed.append(f"{key}={value!r} (in force: {current!r})")
+    if changed:
+        raise RuntimeError("commwire is already initialised; a second init() cannot change "
+                           + ", ".join(changed) + ". Call commwire.finalize() first, or pass these to the first init()")
 
 
 def _import_mpi(level: str) -> Any:
@@ -148,6 +193,7 @@ def finalize() -> None:
             world_comm.timeline.write(per_rank)
     if world_comm.watchdog is not None:
         world_comm.watchdog.close()
+    _settings.clear()
 
 
 def _finalize_at_exit() -> None:
