@@ -97,6 +97,11 @@ class FusionBuffer:
         first_bucket_bytes: limit of the first bucket.
         overlap: run collectives on the background lane (else when waited for).
         postscale: factor applied to every reduced bucket (e.g. for predivision).
+        groups: explicit groups of tensor names; each group travels in buckets of its
+            own (one per dtype and device, whatever the threshold) and every other tensor
+            alone (Horovod's ``groups=``).
+        compressor: a Horovod-style object with ``compress(t) -> (t, ctx)`` and
+            ``decompress(t, ctx)``, applied around each bucket's all-reduce (not with ``codec``).
     """
 
     def __init__(
@@ -110,6 +115,8 @@ class FusionBuffer:
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         overlap: bool = True,
         postscale: float = 1.0,
+        groups: Sequence[Sequence[str]] | None = None,
+        compressor: Any = None,
     ) -> None:
         if threshold_bytes < 0 or first_bucket_bytes < 0:
             raise ValueError(f"bucket sizes must be >= 0, got threshold_bytes={threshold_bytes}, "
@@ -131,7 +138,13 @@ class FusionBuffer:
             self.codec = resolve_codec(codec)
         self.overlap = overlap
         self.postscale = postscale
-        self.buckets = self._build(list(tensors), threshold_bytes, first_bucket_bytes)
+        if compressor is not None and self.codec is not None:
+            raise ValueError("pass either codec= or compressor= to FusionBuffer, not both")
+        self.compressor = compressor
+        if groups is not None:
+            self.buckets = self._build_groups(list(tensors), groups)
+        else:
+            self.buckets = self._build(list(tensors), threshold_bytes, first_bucket_bytes)
         if self.codec is not None:
             for b in self.buckets:  # transforms that act per weight matrix need the layout
                 self.codec.bind_layout(b.id, [(n, o, s) for n, o, s in zip(b.names, b.offsets, b.shapes)])
@@ -164,6 +177,22 @@ class FusionBuffer:
                 sizes[key] = 0
         closed += [g for g in open_groups.values() if g]
         return [self._bucket(i, g) for i, g in enumerate(closed)]
+
+    def _build_groups(self, tensors: list[tuple[str, Any]], groups: Sequence[Sequence[str]]) -> list[Bucket]:
+        known = {name for name, _ in tensors}
+        group_of: dict[str, int] = {}
+        for g, members in enumerate(groups):
+            for name in members:
+                if name not in known:
+                    raise KeyError(f"groups names tensor {name!r}, which was not registered with this FusionBuffer")
+                if name in group_of:
+                    raise ValueError(f"tensor {name!r} appears in more than one group; each may appear once")
+                group_of[name] = g
+        closed: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
+        for name, t in reversed(tensors):  # bucket order: when the group's first gradient is ready
+            key = (group_of.get(name, ("alone", name)), _group_key(t))
+            closed.setdefault(key, []).append((name, t))
+        return [self._bucket(i, g) for i, g in enumerate(closed.values())]
 
     @staticmethod
     def _bucket(index: int, members: list[tuple[str, Any]]) -> Bucket:
@@ -225,13 +254,17 @@ class FusionBuffer:
         if self.overlap:
             from .comm.lane import lane_for
 
-            bucket.handle = lane_for(self.comm).submit(self._reduce, bucket, name=bucket.id)
+            bucket.handle = lane_for(self.comm).submit(self._reduce, bucket, label=bucket.id)
         else:
             bucket.handle = _Deferred(lambda: self._reduce(self.comm, bucket))
 
     def _reduce(self, comm: Communicator, bucket: Bucket) -> float:
         start = time.perf_counter()
-        if self.codec is None:
+        if self.compressor is not None:
+            sent, ctx = self.compressor.compress(bucket.buffer)
+            reduced = comm.allreduce(sent, self.op, name=bucket.id)
+            bucket.buffer[...] = self.compressor.decompress(reduced, ctx)
+        elif self.codec is None:
             # on the lane, the wait inside yields the CPU to backward (see Communicator._move)
             comm.allreduce(bucket.buffer, self.op, out=bucket.buffer, name=bucket.id)
         else:

@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "SUPPORTED_DTYPES",
     "Adapter",
+    "Invalid",
     "adapter_for",
     "check_dtype",
     "dtype_name",
@@ -167,12 +168,27 @@ _NUMPY = Adapter()
 _adapters: dict[type, Adapter] = {np.ndarray: _NUMPY}
 
 
+class Invalid:
+    """Stand-in for an argument an adapter found invalid: a collective given it raises ``error``.
+
+    Passing it (instead of raising) lets the collective's agreement protocol
+    carry the error to every rank, so they all raise it together.
+    """
+
+    __slots__ = ("error", "shape", "dtype")
+
+    def __init__(self, error: BaseException, shape: Any = None, dtype: Any = None) -> None:
+        self.error, self.shape, self.dtype = error, shape, dtype
+
+
 def adapter_for(x: Any) -> Adapter:
     """Return the adapter for ``x``'s array kind (numpy, torch or cupy)."""
     cls = type(x)
     adapter = _adapters.get(cls)
     if adapter is not None:
         return adapter
+    if cls is Invalid:
+        raise x.error
     module = cls.__module__.split(".", 1)[0]
     if module == "torch" and "torch" in sys.modules:
         adapter = _TorchAdapter(sys.modules["torch"])

@@ -31,6 +31,7 @@ and never interleave with the caller's own collectives.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -45,7 +46,7 @@ from .reduce import REDUCE_OPS, check_reduction, flag_values, mpi_op, normalize_
 from .stats import Counters
 from .timeline import Timeline
 
-__all__ = ["Communicator", "REDUCE_OPS", "split_rows"]
+__all__ = ["Communicator", "REDUCE_OPS", "split_rows", "live_communicators"]
 
 _FUSED_BYTES = 16 << 10
 """All-reduces up to this many (work-dtype) bytes carry their deviation flag in their own buffer."""
@@ -53,6 +54,7 @@ _VERIFIED_KEYS = 4096
 """Agreed signatures remembered per communicator (oldest forgotten first: names made per step cost an exchange)."""
 _JOINABLE = frozenset(("sum", "avg", "min", "max", "prod"))
 _perf = time.perf_counter
+_live: weakref.WeakSet[Communicator] = weakref.WeakSet()  # for switching the timeline of every communicator
 
 
 @dataclass(slots=True)
@@ -113,6 +115,7 @@ class Communicator:
         self.uid = uid  # the same on every member: names this communicator in stall reports
         self._seq = 0
         self._derived = 0
+        _live.add(self)
 
     def __repr__(self) -> str:
         return f"<commwire.Communicator rank {self.rank} of {self.size}>"
@@ -244,7 +247,13 @@ class Communicator:
     def _device_direct(self, x: Any) -> bool:
         return self.cuda_aware and arrays.is_device_array(x)
 
-    def _async(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Handle:
+    def submit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Handle:
+        """Run ``method(lane_comm, *args, **kwargs)`` on this communicator's background lane; return its handle.
+
+        The lane runs submissions one at a time, in order, on a duplicate of
+        this communicator (every rank must submit the same collectives in the
+        same order). Without MPI thread level "multiple" it runs them at once.
+        """
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -280,7 +289,7 @@ class Communicator:
 
     def allreduce_async(self, x: Any, op: str = "sum", *, out: Any = None, name: str | None = None) -> Handle:
         """Start an all-reduce on the background lane; the handle's ``wait()`` gives the result."""
-        return self._async(Communicator.allreduce, x, op, out=out, name=name)
+        return self.submit(Communicator.allreduce, x, op, out=out, name=name)
 
     def _allreduce_fast(self, agreed: _Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
         n, wdt, mop, valid, _, average = agreed.fused
@@ -401,7 +410,7 @@ class Communicator:
 
     def allgather_async(self, x: Any, *, name: str | None = None) -> Handle:
         """Start an all-gather; the handle's ``wait()`` returns the concatenation."""
-        return self._async(Communicator.allgather, x, name=name)
+        return self.submit(Communicator.allgather, x, name=name)
 
     # ------------------------------------------------------------- broadcast
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Any:
@@ -442,20 +451,21 @@ class Communicator:
 
     def broadcast_async(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Handle:
         """Start a broadcast from ``root``; the handle's ``wait()`` returns the array."""
-        return self._async(Communicator.broadcast, x, root, out=out, name=name)
+        return self.submit(Communicator.broadcast, x, root, out=out, name=name)
 
     def _bcast(self, buf: np.ndarray, root: int, name: str | None) -> None:
         self._move("broadcast", name, self.mpi.Bcast, self.mpi.Ibcast, (buf.reshape(-1).view(np.uint8), root))
 
     # -------------------------------------------------------- reduce_scatter
-    def reduce_scatter(self, x: Any, op: str = "sum", *, name: str | None = None) -> Any:
+    def reduce_scatter(self, x: Any, op: str = "sum", *, name: str | None = None, counts: Any = None) -> Any:
         """Reduce ``x`` over ranks and return this rank's block of rows.
 
-        Rows are split as ``numpy.array_split`` does: the first ``len(x) % size``
-        ranks get one row more.
+        Rows are split as ``numpy.array_split`` does (the first ``len(x) % size``
+        ranks get one row more) unless ``counts`` gives each rank's number of
+        rows (the same list on every rank, summing to ``len(x)``).
         """
         start = _perf()
-        error = plan = None
+        error = plan = rows = None
         try:
             if normalize_op(op) == "adasum":
                 raise NotImplementedError("reduce_scatter does not support op='adasum'; use allreduce(op='adasum')")
@@ -463,13 +473,15 @@ class Communicator:
             if plan.work.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension, got a scalar; "
                                  "reshape it to (1,) or use allreduce")
+            rows = _row_counts(counts, plan.work.shape[0], self.size)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error, plan = exc, None
         sig = plan.sig(name, "reduce_scatter") if plan is not None else (
             "reduce_scatter", name, *_describe(x), _op_label(op), None, None, _device_of(x))
+        if counts is not None:
+            sig = sig[:6] + (tuple(int(c) for c in np.asarray(counts).reshape(-1)),) + sig[7:]
 
-        def scatter(work: np.ndarray, mop: Any) -> np.ndarray:
-            rows = split_rows(work.shape[0], self.size)
+        def scatter(work: np.ndarray, mop: Any, rows: np.ndarray) -> np.ndarray:
             row_elems = int(np.prod(work.shape[1:], dtype=np.int64))
             recv = np.empty((int(rows[self.rank]),) + work.shape[1:], dtype=work.dtype)
             self._move("reduce_scatter", name, self.mpi.Reduce_scatter, self.mpi.Ireduce_scatter,
@@ -477,20 +489,23 @@ class Communicator:
             return recv
 
         def run() -> Any:
-            assert plan is not None
-            return plan.finish(scatter(plan.work, plan.mop))
+            assert plan is not None and rows is not None
+            return plan.finish(scatter(plan.work, plan.mop, rows))
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
             _, wdt, mop, _ = _reduction_of(agreed_sig)
-            scatter(np.zeros(agreed_sig[2], dtype=wdt), mop)
+            zeros = np.zeros(agreed_sig[2], dtype=wdt)
+            agreed_counts = agreed_sig[6] if agreed_sig[6] is not None else None
+            scatter(zeros, mop, _row_counts(agreed_counts, zeros.shape[0], self.size))
 
         result = self._guarded(("reduce_scatter", name), sig, error, run, dummy)
         self._record("reduce_scatter", name, plan.nbytes if plan is not None else 0, start)
         return result
 
-    def reduce_scatter_async(self, x: Any, op: str = "sum", *, name: str | None = None) -> Handle:
+    def reduce_scatter_async(self, x: Any, op: str = "sum", *, name: str | None = None, counts: Any = None
+                             ) -> Handle:
         """Start a reduce-scatter; the handle's ``wait()`` returns this rank's block."""
-        return self._async(Communicator.reduce_scatter, x, op, name=name)
+        return self.submit(Communicator.reduce_scatter, x, op, name=name, counts=counts)
 
     # --------------------------------------------------------------- alltoall
     def alltoall(self, x: Any, *, name: str | None = None) -> Any:
@@ -499,7 +514,7 @@ class Communicator:
 
     def alltoall_async(self, x: Any, *, name: str | None = None) -> Handle:
         """Start an all-to-all; the handle's ``wait()`` returns the received blocks."""
-        return self._async(Communicator.alltoall, x, name=name)
+        return self.submit(Communicator.alltoall, x, name=name)
 
     def alltoallv(self, x: Any, splits: Any = None, *, name: str | None = None) -> tuple[Any, np.ndarray]:
         """Send ``splits[i]`` rows of ``x`` to rank i (in order); return (rows received, rows from each rank).
@@ -569,11 +584,18 @@ class Communicator:
         self.counters.record("broadcast_object", 0, _perf() - start)
         return result
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any, *, name: str | None = None) -> list[Any]:
         """Return the list of every rank's picklable ``obj``, in rank order."""
         start = _perf()
-        with self.watched("allgather_object"):
-            result = self.mpi.allgather(obj)
+
+        def move(value: Any) -> list[Any]:
+            with self.watched("allgather_object", name):
+                return self.mpi.allgather(value)
+
+        # Nothing to validate, but agreeing on the operation keeps a rank that calls another
+        # collective here from pairing with this one (with check=True, every call).
+        sig = ("allgather_object", name, None, None, None, None, None, None)
+        result = self._guarded(("allgather_object", name), sig, None, lambda: move(obj), lambda _: move(None))
         self.counters.record("allgather_object", 0, _perf() - start)
         return result
 
@@ -626,6 +648,11 @@ class Communicator:
     def _check_root(self, root: Any) -> None:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValueError(f"root={root!r} is not a rank of this communicator; use 0..{self.size - 1}")
+
+
+def live_communicators(counters: Counters) -> list[Communicator]:
+    """Return the communicators alive in this process that record into ``counters``."""
+    return [c for c in list(_live) if c.counters is counters]
 
 
 class _Reduction:
@@ -770,6 +797,17 @@ def _check_out(x: Any, out: Any, opname: str) -> None:
     if tuple(shape) != tuple(x.shape) or dtype_name(dtype) != dtype_name(x.dtype):
         raise ValueError(f"out= has shape {tuple(shape)} and dtype {dtype_name(dtype)}, but {opname} of x needs "
                          f"shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}; pass such an array or out=None")
+
+
+def _row_counts(counts: Any, rows: int, size: int) -> np.ndarray:
+    """Return each rank's rows of a reduce-scatter (array_split's rule when ``counts`` is None)."""
+    if counts is None:
+        return split_rows(rows, size)
+    values = np.asarray(counts).reshape(-1)
+    if values.dtype.kind not in "iu" or values.size != size or (values < 0).any() or int(values.sum()) != rows:
+        raise ValueError(f"counts={values.tolist()} must give a non-negative number of rows for each of the "
+                         f"{size} ranks, summing to the first dimension ({rows})")
+    return values.astype(np.int64)
 
 
 def _splits(send: np.ndarray, splits: Any, size: int) -> np.ndarray:

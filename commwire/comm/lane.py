@@ -23,7 +23,8 @@ from .handle import Handle, _mark_lane_thread
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["Lane", "lane_for"]
+__all__ = ["Lane", "lane_for", "close_lane"]
+
 
 class _FutureHandle(Handle):
     """A handle over work submitted to a lane."""
@@ -51,6 +52,8 @@ class Lane:
     def __init__(self, comm: Communicator) -> None:
         from mpi4py import MPI
 
+        self.parent = comm
+
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(
                 "background collectives need MPI thread level 'multiple'; "
@@ -59,9 +62,9 @@ class Lane:
         self.comm = comm._derive(comm.mpi.Dup())
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="commwire-lane", initializer=_mark_lane_thread)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any) -> Handle:
-        """Run ``fn(lane_comm, *args, **kwargs)`` on the lane; return a handle to its result."""
-        return _FutureHandle(self._executor.submit(fn, self.comm, *args, **kwargs), name)
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Handle:
+        """Run ``fn(lane_comm, *args, **kwargs)`` on the lane; return a handle (named ``label``) to its result."""
+        return _FutureHandle(self._executor.submit(fn, self.comm, *args, **kwargs), label or kwargs.get("name"))
 
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""
@@ -76,6 +79,16 @@ def lane_for(comm: Communicator) -> Lane:
     """Return the lane of ``comm``, creating it (collectively) on first use."""
     with _lock:
         lane = _lanes.get(id(comm))
-        if lane is None:
+        if lane is None or lane.parent is not comm:  # an id can be reused once a communicator is gone
             lane = _lanes[id(comm)] = Lane(comm)
         return lane
+
+
+def close_lane(comm: Communicator) -> None:
+    """Finish the queued work of ``comm``'s lane (if it has one) and stop it."""
+    with _lock:
+        lane = _lanes.get(id(comm))
+        if lane is None or lane.parent is not comm:
+            return
+        del _lanes[id(comm)]
+    lane.close()

@@ -114,6 +114,9 @@ def init(
             watchdog = Watchdog(mpi_comm, timeout=timeout, action=on_stall)
         _world = Communicator(mpi_comm, counters=_counters, check=check, timeline=recorder, cuda_aware=cuda_aware,
                               watchdog=watchdog)
+        # Derived communicators are made collectively: made later, on first use, ranks that
+        # first ask in different places (one calls local_rank(), another a collective) deadlock.
+        _world.node()
         _settings.update(timeline=path or None, thread_level=level, cuda_aware=bool(cuda_aware), timeout=timeout,
                          on_stall=on_stall)
         if _config.env_bool("COMMWIRE_ABORT_ON_ERROR", True) if abort_on_error is None else abort_on_error:
@@ -201,6 +204,32 @@ def _finalize_at_exit() -> None:
     # while MPI is still usable.
     if _world is not None:
         finalize()
+
+
+def start_timeline(path: str) -> None:
+    """Start recording a Chrome-trace timeline of every communicator to ``path`` (call on every rank)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"timeline path {path!r} must be a str or os.PathLike")
+    comm = world()
+    recorder = Timeline(os.fspath(path), comm.rank)
+    from .communicator import live_communicators
+
+    for c in live_communicators(comm.counters):
+        c.timeline = recorder
+
+
+def stop_timeline() -> None:
+    """Stop the timeline and write it (collective: rank 0 writes every rank's events)."""
+    comm = world()
+    recorder = comm.timeline
+    from .communicator import live_communicators
+
+    for c in live_communicators(comm.counters):
+        c.timeline = None
+    events = recorder.events if recorder is not None else []
+    per_rank = comm.mpi.gather(events, root=0)
+    if comm.rank == 0 and recorder is not None:
+        recorder.write(per_rank)
 
 
 def is_initialized() -> bool:

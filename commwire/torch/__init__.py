@@ -1,4 +1,13 @@
-"""PyTorch adapter with Horovod-compatible names: ``import commwire.torch as hvd``.
+"""PyTorch adapter with Horovod's names: ``import commwire.torch as hvd``.
+
+Every public name of ``horovod.torch`` is here with Horovod's semantics, each
+mapped onto one commwire implementation: process sets are commwire
+Communicators (commwire.torch.basics), collectives run on their background
+lane (commwire.torch.mpi_ops), ``grouped_*`` travel fused, Compressors wrap
+the codec layer (commwire.torch.compression), and DistributedOptimizer fuses
+gradients into buckets that reduce while backward runs
+(commwire.torch.optimizer). commwire adds LoRDO, DiLoCo, GIFT compressions
+and error-feedback codecs.
 
 Example:
     >>> import commwire.torch as hvd
@@ -12,55 +21,98 @@ Example:
 
 from __future__ import annotations
 
-from ..comm.runtime import finalize, init, is_initialized, local_rank, local_size, rank, size
-from .functions import (
+from typing import Any
+
+from .basics import (
+    Adasum,
     Average,
-    Compression,
+    HorovodInternalError,
     Max,
     Min,
+    ProcessSet,
+    Product,
     Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    global_process_set,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from .compression import CodecCompressor, Compression, Compressor, FP16Compressor, NoneCompressor
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .local_sgd import DiLoCo, LoRDO, LowRankAdam, state_nbytes
+from .mpi_ops import (
     allgather,
-    allgather_object,
+    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
     broadcast,
     broadcast_,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
-from .local_sgd import DiLoCo, LoRDO, LowRankAdam, state_nbytes
 from .optimizer import DistributedOptimizer
 
 __all__ = [
-    "Average",
-    "Compression",
-    "DiLoCo",
-    "DistributedOptimizer",
-    "LoRDO",
-    "LowRankAdam",
-    "Max",
-    "Min",
-    "Sum",
-    "allgather",
-    "allgather_object",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "broadcast",
-    "broadcast_",
-    "broadcast_object",
-    "broadcast_optimizer_state",
-    "broadcast_parameters",
-    "finalize",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "size",
-    "state_nbytes",
-    "synchronize",
+    "Adasum", "Average", "CodecCompressor", "Compression", "Compressor", "DiLoCo", "DistributedOptimizer",
+    "FP16Compressor", "HorovodInternalError", "LoRDO", "LowRankAdam", "Max", "Min", "NoneCompressor",
+    "ProcessSet", "Product", "Sum", "SyncBatchNorm",
+    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
+    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline", "state_nbytes", "stop_timeline", "synchronize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # SyncBatchNorm subclasses a torch module class: build it on first use.
+    if name == "SyncBatchNorm":
+        from .sync_batch_norm import SyncBatchNorm
+
+        return SyncBatchNorm
+    raise AttributeError(f"module 'commwire.torch' has no attribute {name!r}")

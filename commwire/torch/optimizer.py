@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,17 +38,30 @@ _MB = 1 << 20
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
-    Args:
+    Horovod's arguments, in Horovod's order:
         optimizer: the optimizer to wrap.
         named_parameters: ``(name, param)`` pairs (e.g. ``model.named_parameters()``);
             names key codec state in checkpoints. Default: names ``param.{i}``.
-        compression: a codec spec (``Compression.fp8``, ``"ef+nvfp4"``, ...) or codec object.
+        compression: ``Compression.none`` / ``.fp16`` / ``.bf16`` / ``.fp8`` / ``.nvfp4`` /
+            ``.fp8_ef`` …, a codec spec string (``"ef+nvfp4"``), a codec object, or your
+            own Compressor (``compress``/``decompress``, applied to each fused bucket).
         backward_passes_per_step: backward passes accumulated locally before one
             reduction (gradients are summed over the passes, as in Horovod).
-        op: ``Average`` or ``Sum``.
+        op: ``Average``, ``Sum`` or ``Adasum`` (Adasum: each rank steps locally and the
+            parameter deltas are combined with the Adasum reduction, as Horovod does).
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``size / factor`` after it (Average only), to steer clear of overflow.
-        fusion_threshold_mb: bucket size in MiB (0: one collective per tensor).
+        num_groups: deprecated spelling of ``groups=<int>``.
+        groups: an int (that many groups of parameters, each reduced in buckets of its
+            own) or lists of parameters that travel together (others alone).
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+            tensors in the fused buckets and hand them back sparse; otherwise they are
+            reduced by all-gathering their indices and values.
+        process_set: reduce over this process set only (non-members step locally).
+
+    commwire's own (keyword-only):
+        fusion_threshold_mb: bucket size in MiB (0: one collective per tensor; default
+            25, or HOROVOD_FUSION_THRESHOLD).
         first_bucket_mb: size of the first bucket in MiB.
         find_unused_parameters: exchange which parameters got a gradient, so a
             parameter unused on every rank keeps ``grad=None`` (one extra small
@@ -57,7 +71,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             it), "skip" (skip the step on every rank alike) or "raise"
             (FloatingPointError naming the parameters).
         overlap: run collectives on a background thread during backward.
-        comm: communicator (default: the world).
+        comm: communicator (default: the process set's, or commwire's world before hvd.init()).
         model: the trained module; needed by GIFT compressions (``Compression.gift_fp8``),
             whose transform uses its ``nn.Linear`` input statistics (commwire.torch.gift).
 
@@ -76,7 +90,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         op: str = "avg",
         gradient_predivide_factor: float = 1.0,
-        fusion_threshold_mb: float = DEFAULT_THRESHOLD_BYTES / _MB,
+        num_groups: int = 0,
+        groups: Any = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = None,
+        *,
+        fusion_threshold_mb: float | None = None,
         first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / _MB,
         find_unused_parameters: bool = False,
         on_nonfinite: str = "propagate",
@@ -88,23 +107,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
         op = {"average": "avg", "mean": "avg"}.get(op, op)
-        if op not in ("avg", "sum"):
-            raise ValueError(f"op={op!r} is not supported for gradients; use Average or Sum")
+        if op not in ("avg", "sum", "adasum"):
+            raise ValueError(f"op={op!r} is not supported for gradients; use Average, Sum or Adasum")
         if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op != "avg"):
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average and a "
                              "positive value")
-        self.comm = comm if comm is not None else world()
+        if num_groups:
+            warnings.warn("num_groups has been replaced by groups=<int>", DeprecationWarning, stacklevel=2)
+            groups = num_groups if groups is None else groups
         self._inner = optimizer
-        # Share, don't copy: the wrapped optimizer stays the single source of truth.
-        self.param_groups = optimizer.param_groups
-        self.defaults = optimizer.defaults
         self._init_hook_dicts()
         self._named = _resolve_names(optimizer, named_parameters)
+        self.comm, self.process_set = _resolve_comm(comm, process_set)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
+        self.sparse_as_dense = sparse_as_dense
         self.find_unused_parameters = find_unused_parameters
         if on_nonfinite not in ("propagate", "skip", "raise"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; use 'propagate', 'skip' or 'raise'")
@@ -112,23 +133,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.nonfinite: list[str] = []
         self.skipped_steps = 0
         self._predivide = float(gradient_predivide_factor)
+        from .compression import resolve
+
+        codec_spec, compressor = resolve(compression)
         codec = None
-        if compression not in (None, "none"):
+        if codec_spec is not None:
             from ..codecs import get
 
-            codec = get(compression) if isinstance(compression, str) else compression
+            codec = get(codec_spec) if isinstance(codec_spec, str) else codec_spec
+        if op == "adasum" and (codec is not None or compressor is not None):
+            raise ValueError("op=Adasum combines parameter deltas in full precision; use compression=none with it")
+        if fusion_threshold_mb is None:
+            from ._env import fusion_threshold_bytes
+
+            env = fusion_threshold_bytes()
+            fusion_threshold_mb = DEFAULT_THRESHOLD_BYTES / _MB if env is None else env / _MB
+        self._passes = {p: 0 for _, p in self._named}
+        self._names = {p: n for n, p in self._named}
+        self._synchronized = False
+        self._skip_sync = False
+        self._sparse: dict[str, torch.Tensor] = {}  # name -> this step's sparse gradient (reduced at synchronize)
+        self.step_times: list[float] = []
+        self._gift: Any = None
+        self._hooks: list[Any] = []
+        self._fusion: FusionBuffer | None = None
+        if self.comm is None or op == "adasum":
+            return  # not a member of the process set (steps locally), or Adasum (reduces deltas in step())
         self._fusion = FusionBuffer(
             [(n, p) for n, p in self._named],
             comm=self.comm,
             op="sum" if self._predivide != 1.0 else op,
             codec=codec,
+            compressor=compressor,
             threshold_bytes=int(fusion_threshold_mb * _MB),
             first_bucket_bytes=int(first_bucket_mb * _MB),
             overlap=overlap,
             postscale=self._predivide / self.comm.size if self._predivide != 1.0 else 1.0,
+            groups=_named_groups(groups, self._named),
         )
         # GIFT (commwire/torch/gift.py): hook the model's nn.Linear inputs, refresh every K steps.
-        self._gift: Any = None
         from .gift import attach, find_gift
 
         if find_gift(codec) is not None:
@@ -136,12 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"compression {codec.spec!r} needs layer input statistics: pass model=<the "
                                  "nn.Module being trained> to DistributedOptimizer")
             attach(model, self)
-        self._passes = {p: 0 for _, p in self._named}
-        self._names = {p: n for n, p in self._named}
-        self._synchronized = False
-        self._skip_sync = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in self._named]
-        self.step_times: list[float] = []
 
     def _init_hook_dicts(self) -> None:
         # torch.optim.Optimizer machinery that LR schedulers and profilers touch.
@@ -153,6 +191,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
 
     # ---------------------------------------------------------------- delegation
+    # The wrapped optimizer stays the single source of truth: its load_state_dict()
+    # replaces param_groups and state, and the wrapper must see the new ones.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Return the wrapped optimizer's parameter groups (LR schedulers read and write these)."""
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """Return the wrapped optimizer's defaults."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
     @property
     def state(self) -> Any:  # type: ignore[override]
         """Return the wrapped optimizer's per-parameter state."""
@@ -167,11 +225,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Return the wrapped optimizer."""
         return self._inner
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Return {parameter: name} (Horovod's attribute)."""
+        return dict(self._names)
+
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self._inner!r}, buckets={len(self._fusion.buckets)})"
+        buckets = len(self._fusion.buckets) if self._fusion is not None else 0
+        return f"DistributedOptimizer({self._inner!r}, buckets={buckets})"
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer holds MPI handles and cannot be pickled; save state_dict() instead")
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before each reduction."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes!r} must be an int >= 1")
+        self.backward_passes_per_step = passes
+        for p in self._passes:
+            self._passes[p] = 0
 
     # --------------------------------------------------------------- gradients
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -183,21 +255,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{self.backward_passes_per_step} backward pass(es)"
             )
         self._passes[p] = count
-        if count == self.backward_passes_per_step:
-            name = self._names[p]
-            scale = 1.0 / self._predivide if self._predivide != 1.0 else 1.0
-            slot = self._fusion.view(name)
-            if p.grad.data_ptr() == slot.data_ptr():
-                self._fusion.mark(name, scale)  # autograd accumulated straight into the bucket
+        if count != self.backward_passes_per_step:
+            return
+        assert self._fusion is not None
+        name = self._names[p]
+        scale = 1.0 / self._predivide if self._predivide != 1.0 else 1.0
+        slot = self._fusion.view(name)
+        if p.grad.is_sparse:
+            if self.sparse_as_dense:
+                self._fusion.add(name, p.grad.to_dense(), scale)
+                self._sparse[name] = p.grad  # handed back sparse after the reduction
             else:
-                self._fusion.add(name, p.grad.detach(), scale)
-                # From now on the gradient *is* its bucket slot (DDP's gradient_as_bucket_view):
-                # autograd accumulates into it in place, and the reduced values land in
-                # .grad without a copy back.
-                p.grad = slot
+                self._sparse[name] = p.grad * scale if scale != 1.0 else p.grad
+                self._fusion.add(name, torch.zeros((), dtype=slot.dtype))  # its slot travels as zeros
+            return
+        if p.grad.data_ptr() == slot.data_ptr():
+            self._fusion.mark(name, scale)  # autograd accumulated straight into the bucket
+        else:
+            self._fusion.add(name, p.grad.detach(), scale)
+            # From now on the gradient *is* its bucket slot (DDP's gradient_as_bucket_view):
+            # autograd accumulates into it in place, and the reduced values land in
+            # .grad without a copy back.
+            p.grad = slot
 
     def synchronize(self) -> None:
         """Wait for every gradient reduction and write the results into ``.grad``."""
+        if self._fusion is None:  # not a member of the process set, or Adasum: nothing to reduce
+            self._synchronized = True
+            return
         if not any(self._passes.values()) and not self._fusion.in_flight():
             raise RuntimeError("synchronize()/step() was called but no gradient was computed since the last step; "
                                "call loss.backward() first")
@@ -209,9 +294,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if present is not None and not present[name]:
                 p.grad = None  # unused on every rank: no gradient, as without distribution
                 continue
+            sparse = self._sparse.get(name)
+            if sparse is not None:
+                p.grad = reduced[name].to_sparse() if self.sparse_as_dense else self._reduce_sparse(name, sparse)
+                continue
             value = reduced[name]
             if p.grad is None or p.grad.data_ptr() != value.data_ptr():
                 p.grad = value
+        self._sparse.clear()
         self.step_times.append(time.perf_counter() - start)
         for p in self._passes:
             self._passes[p] = 0
@@ -222,10 +312,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "lower the learning rate or the loss scale, or pass on_nonfinite='skip' to skip such steps"
             )
 
+    def _reduce_sparse(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        # A sparse gradient is reduced by gathering every rank's (index, value) pairs: the sum of
+        # sparse tensors is their concatenation (coalesce adds duplicates).
+        grad = grad.coalesce()
+        indices = self.comm.allgather(grad._indices().t().contiguous(), name=f"{name}.indices")
+        values = self.comm.allgather(grad._values().contiguous(), name=f"{name}.values")
+        if self.op == "avg":
+            values = values / self.comm.size
+        return torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False).coalesce()
+
     def _find_nonfinite(self) -> list[str]:
         # The reduced buckets are the same on every rank (a NaN or Inf anywhere
         # reaches every rank's sum), so every rank takes the same decision with
         # no extra message; one isfinite pass per bucket, per-tensor only if needed.
+        assert self._fusion is not None
         names = []
         for bucket in self._fusion.buckets:
             if not bool(torch.isfinite(bucket.buffer).all()):
@@ -249,10 +350,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Synchronize the gradients (unless already done) and step the wrapped optimizer."""
+        if self.op == "adasum" and self.comm is not None:
+            return self._adasum_step(closure)
         if self._skip_sync:
             if not self._synchronized:
                 raise RuntimeError("step() inside skip_synchronize() needs an explicit optimizer.synchronize() first")
-        elif not self._synchronized or any(self._passes.values()):
+        elif self._synchronized and not any(self._passes.values()):
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                          "code.", stacklevel=3)
+        else:
             self.synchronize()
         self._synchronized = False
         if self.nonfinite and self.on_nonfinite == "skip":
@@ -264,12 +372,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._gift.after_step()
         return result
 
+    def _adasum_step(self, closure: Any) -> Any:
+        # Horovod's Adasum optimizer: step locally, then combine the parameter deltas with
+        # Adasum (one fused reduction per dtype and device; per-tensor dot products).
+        assert self.comm is not None
+        params = [p for _, p in self._named]
+        before = [p.detach().clone() for p in params]
+        result = self._inner.step(closure) if closure is not None else self._inner.step()
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.dtype, p.device), []).append(i)
+        from ..comm.adasum import adasum_allreduce
+
+        for k, idx in enumerate(groups.values()):
+            deltas = torch.cat([(params[i].detach() - before[i]).reshape(-1) for i in idx])
+            host = deltas.cpu().numpy() if deltas.dtype != torch.bfloat16 else deltas.float().cpu().numpy()
+            with self.comm.watched("allreduce adasum", f"adasum.delta.{k}"):
+                combined = adasum_allreduce(self.comm.mpi, host, counts=[params[i].numel() for i in idx])
+            combined_t = torch.from_numpy(combined).to(deltas.device, deltas.dtype)
+            for i, piece in zip(idx, combined_t.split([params[i].numel() for i in idx])):
+                params[i].copy_(before[i] + piece.view_as(params[i]))
+        for p in self._passes:
+            self._passes[p] = 0
+        return result
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the fusion buckets).
 
         An error if reductions are still in flight. Gradients that are not
         bucket views (set by the user) follow ``set_to_none``.
         """
+        if self._fusion is None:
+            self._inner.zero_grad(set_to_none=set_to_none)
+            return
         if self._fusion.in_flight():
             raise RuntimeError(
                 "optimizer.zero_grad() was called while gradient reductions were in flight (after "
@@ -282,8 +417,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Gradients are views of the fusion buckets: zero the buckets in place (one
         # memset each) instead of dropping the views, whatever set_to_none says.
         self._fusion.zero_()
+        self._sparse.clear()
         for name, p in self._named:
-            if p.grad is not None and p.grad.data_ptr() != self._fusion.view(name).data_ptr():
+            if p.grad is not None and (p.grad.is_sparse or p.grad.data_ptr() != self._fusion.view(name).data_ptr()):
                 p.grad = None if set_to_none else p.grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -294,9 +430,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Return the wrapped optimizer's state dict plus commwire's codec state under "commwire"."""
         sd = self._inner.state_dict()
-        sd["commwire"] = self._fusion.state_dict()
-        if self._gift is not None:  # GIFT: statistics gathered since the last refresh
-            sd["commwire"]["gift_hooks"] = self._gift.state_dict()
+        if self._fusion is not None:
+            sd["commwire"] = self._fusion.state_dict()
+            if self._gift is not None:  # GIFT: statistics gathered since the last refresh
+                sd["commwire"]["gift_hooks"] = self._gift.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -304,7 +441,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = dict(state_dict)
         ours = sd.pop("commwire", None)
         self._inner.load_state_dict(sd)
-        if ours is not None:
+        # As Horovod does: a loaded state starts a fresh round of accumulation.
+        self._synchronized = False
+        for p in self._passes:
+            self._passes[p] = 0
+        if ours is not None and self._fusion is not None:
             saved_ids = ours.get("bucket_ids")
             current = [b.id for b in self._fusion.buckets]
             if saved_ids is not None and saved_ids != current:
@@ -320,6 +461,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------- stats
     def overlap_stats(self) -> dict[str, float]:
         """Return communication seconds, seconds exposed in step(), and the hidden fraction."""
+        if self._fusion is None:
+            return {"comm_s": 0.0, "exposed_s": 0.0, "hidden_fraction": 0.0}
         comm_s, exposed = self._fusion.comm_seconds, self._fusion.exposed_seconds
         hidden = max(0.0, 1.0 - exposed / comm_s) if comm_s > 0 else 0.0
         return {"comm_s": comm_s, "exposed_s": exposed, "hidden_fraction": hidden}
@@ -329,6 +472,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _resolve_comm(comm: Communicator | None, process_set: Any) -> tuple[Communicator | None, Any]:
+    """Return (communicator to reduce over or None on a non-member, process set)."""
+    if comm is not None:
+        return comm, process_set
+    from .basics import comm_of, global_process_set, is_initialized
+
+    if process_set is None or process_set is global_process_set:
+        if not is_initialized():  # commwire.init() without hvd.init(): commwire's world
+            return world(), process_set
+        return comm_of(global_process_set), global_process_set
+    if process_set.included() is False:
+        return None, process_set
+    return comm_of(process_set), process_set  # a process set not registered yet fails here, clearly
+
+
+def _named_groups(groups: Any, named: list[tuple[str, torch.nn.Parameter]]) -> list[list[str]] | None:
+    """Turn Horovod's ``groups`` (an int, or lists of parameters) into lists of names."""
+    if groups is None:
+        return None
+    names = [n for n, _ in named]
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        raise ValueError(f"groups={groups!r} must be a positive int or a list of lists of parameters")
+    if isinstance(groups, int):
+        if groups <= 0:
+            raise ValueError(f"groups={groups} must be a positive int")
+        per = -(-len(names) // groups)
+        return [names[i:i + per] for i in range(0, len(names), per)]
+    by_id = {id(p): n for n, p in named}
+    out = []
+    for group in groups:
+        members = []
+        for p in group:
+            if not isinstance(p, torch.Tensor) or id(p) not in by_id:
+                raise ValueError("groups must hold parameters the optimizer trains (torch.Tensor objects)")
+            members.append(by_id[id(p)])
+        out.append(members)
+    return out
 
 
 def _resolve_names(optimizer: torch.optim.Optimizer,
