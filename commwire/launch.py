@@ -4,6 +4,8 @@ Supported: MPICH's and Intel MPI's ``mpiexec`` (Hydra), Open MPI's
 ``mpirun``/``mpiexec``, and ``srun`` inside a Slurm allocation. The launcher in
 the active environment (``sys.prefix/bin``, where ``pip install mpich`` puts
 it) wins over one on PATH, so ranks use the MPI that mpi4py was built for.
+Hosts come as ``-H host:slots,...`` or a hostfile (``host slots=N`` lines, as
+horovodrun takes them), and reach each launcher in its own syntax.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Sequence
 
-__all__ = ["Launcher", "LAUNCHER_KINDS", "find_launcher", "build_command", "parse_hosts", "wrap_python"]
+__all__ = ["Launcher", "LAUNCHER_KINDS", "find_launcher", "build_command", "parse_hosts", "parse_hostfile",
+           "hosts_are_local", "check_command", "wrap_python", "wrap_program"]
 
 LAUNCHER_KINDS = ("mpich", "intel", "openmpi", "slurm")
 _NO_LAUNCHER = (
@@ -83,24 +88,132 @@ def parse_hosts(spec: str) -> list[tuple[str, int]]:
     return pairs
 
 
-_PY_OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
+def parse_hostfile(path: str) -> list[tuple[str, int]]:
+    """Parse a hostfile into (host, slots) pairs.
 
-
-def wrap_python(command: list[str]) -> list[str]:
-    """Run a ``python ...`` command under commwire's abort-on-exception wrapper.
-
-    ``python [opts] script|-m mod|-c code args`` becomes
-    ``python [opts] -m commwire._rankmain script|-m mod|-c code args``; other
-    commands are returned unchanged.
+    Lines are ``host slots=N`` (horovodrun's and Open MPI's format), ``host:N``
+    (Hydra's) or ``host``; ``#`` starts a comment; ``max_slots=`` is ignored.
     """
-    if not command or not re.fullmatch(r"python(\d+(\.\d+)?)?", os.path.basename(command[0])):
-        return list(command)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"hostfile {path!r} cannot be read ({exc.strerror}); give an existing file") from None
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        words = line.partition("#")[0].split()
+        if not words:
+            continue
+        host, _, slots = words[0].partition(":")
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots" and not slots:
+                slots = value
+            elif key != "max_slots":
+                slots = "bad"
+        if not host or (slots and not slots.isdigit()) or slots == "0":
+            raise ValueError(f"{path}:{number}: {line.strip()!r} is not 'host slots=N', 'host:N' or 'host'")
+        pairs.append((host, int(slots or 1)))
+    if not pairs:
+        raise ValueError(f"hostfile {path!r} names no host; write one 'host slots=N' line per host")
+    return pairs
+
+
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+
+
+def hosts_are_local(pairs: Sequence[tuple[str, int]] | None) -> bool:
+    """Return whether every host in ``pairs`` (None: no hosts given) is this machine."""
+    if not pairs:
+        return True
+    mine = _LOCAL_NAMES | {socket.gethostname(), socket.gethostname().split(".")[0]}
+    return all(host in mine for host, _ in pairs)
+
+
+_PY_OPTS_WITH_VALUE = {"-W", "-X", "-Q"}
+_FIND_MODULE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+
+
+def _is_python(program: str) -> bool:
+    return re.fullmatch(r"python(\d+(\.\d+)?)?", os.path.basename(program)) is not None
+
+
+def _python_target(command: Sequence[str]) -> int | None:
+    """Return the index of ``script``/``-m``/``-c`` in a ``python [opts] ...`` command, else None."""
+    if not command or not _is_python(command[0]):
+        return None
     i = 1
     while i < len(command) and command[i].startswith("-") and command[i] not in ("-m", "-c", "-"):
         i += 2 if command[i] in _PY_OPTS_WITH_VALUE else 1
     if i >= len(command) or command[i] == "-":
-        return list(command)  # interactive / stdin: nothing to wrap
-    return command[:i] + ["-m", "commwire._rankmain"] + command[i:]
+        return None  # interactive / stdin: nothing to wrap
+    return i
+
+
+def wrap_python(command: Sequence[str], options: Sequence[str] = ()) -> list[str]:
+    """Run a ``python ...`` command under commwire's per-rank wrapper.
+
+    ``python [opts] script|-m mod|-c code args`` becomes
+    ``python [opts] -m commwire._rankmain [options] script|-m mod|-c code args``;
+    other commands are returned unchanged.
+    """
+    i = _python_target(command)
+    if i is None:
+        return list(command)
+    return [*command[:i], "-m", "commwire._rankmain", *options, *command[i:]]
+
+
+def wrap_program(command: Sequence[str], options: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """Run any command under the per-rank wrapper: python ones as `wrap_python` does, others via ``--exec``.
+
+    A program that is not Python runs as a child of ``python -m commwire._rankmain
+    [options] --exec``, which tags its output; without ``options`` it runs as is.
+    Interactive python is left alone.
+    """
+    if not command or _is_python(command[0]):
+        return wrap_python(command, options)
+    if not options:
+        return list(command)
+    return [python, "-m", "commwire._rankmain", *options, "--exec", *command]
+
+
+def check_command(command: Sequence[str], env: dict[str, str] | None = None) -> None:
+    """Raise FileNotFoundError, naming it and the fix, if the program or Python script cannot start here.
+
+    ``env`` is the ranks' environment (its PATH and PYTHONPATH are used).
+    """
+    if not command:
+        raise ValueError("no command to run; e.g. commwire run -np 4 python train.py")
+    env = dict(os.environ if env is None else env)
+    program = command[0]
+    if os.sep in program:
+        if not os.path.isfile(program):
+            raise FileNotFoundError(f"program {program!r} not found (no such file from {os.getcwd()}); "
+                                    "check the path")
+        if not os.access(program, os.X_OK):
+            raise FileNotFoundError(f"program {program!r} is not executable; chmod +x it or run it through "
+                                    "its interpreter")
+    elif shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        raise FileNotFoundError(f"program {program!r} not found on PATH; check the spelling, give its full "
+                                "path, or activate the environment that has it")
+    i = _python_target(command)
+    if i is None or command[i] == "-c":
+        return
+    if command[i] != "-m":
+        if not os.path.isfile(command[i]):
+            raise FileNotFoundError(f"python script {command[i]!r} not found (looked in {os.getcwd()}); "
+                                    "check the path")
+        return
+    if i + 1 >= len(command):
+        raise ValueError(f"{program} -m needs a module name; e.g. commwire run -np 2 {program} -m pkg.train")
+    try:
+        found = subprocess.run([program, "-c", _FIND_MODULE, command[i + 1]], capture_output=True, env=env,
+                               timeout=60).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return  # cannot tell here: let the ranks report it
+    if found == 3:
+        raise FileNotFoundError(f"{program} finds no module {command[i + 1]!r} (from {os.getcwd()}); check the "
+                                "name, the working directory, or install the package")
 
 
 def build_command(
@@ -123,22 +236,20 @@ def build_command(
     if hostfile and not os.path.isfile(hostfile):
         raise ValueError(f"hostfile {hostfile!r} does not exist")
     env = dict(env or {})
-    host_pairs = parse_hosts(hosts) if hosts else None
+    # A hostfile is read here, so every launcher gets the same hosts whatever
+    # format the file is in (horovodrun's `host slots=N` is not Hydra's).
+    host_pairs = parse_hosts(hosts) if hosts else parse_hostfile(hostfile) if hostfile else None
     argv = [launcher.path]
     if launcher.kind == "slurm":
         argv += ["-n", str(np), "--export=" + ",".join(["ALL"] + [f"{k}={v}" for k, v in env.items()])]
         if host_pairs:
             argv.append("--nodelist=" + ",".join(h for h, _ in host_pairs))
-        if hostfile:
-            argv.append(f"--nodefile={hostfile}")
     elif launcher.kind == "openmpi":
         argv += ["-np", str(np), "--oversubscribe"]
         if os.geteuid() == 0:
             argv.append("--allow-run-as-root")
         if host_pairs:
             argv += ["-H", ",".join(f"{h}:{s}" for h, s in host_pairs)]
-        if hostfile:
-            argv += ["--hostfile", hostfile]
         for key, value in env.items():
             argv += ["-x", f"{key}={value}"]
     else:  # Hydra: MPICH and Intel MPI
@@ -148,8 +259,6 @@ def build_command(
                 argv += ["-hosts", ",".join(f"{h}:{s}" for h, s in host_pairs)]
             else:
                 argv += ["-machinefile", _machinefile(host_pairs)]
-        if hostfile:
-            argv += ["-f", hostfile]
         for key, value in env.items():
             argv += ["-genv", key, value]
     return argv + list(mpi_args or []) + list(command)

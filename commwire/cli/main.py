@@ -6,14 +6,17 @@ Commands only parse arguments and delegate to library functions
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import click
 
@@ -34,12 +37,19 @@ BENCHMARKS = {  # name -> module under commwire.bench
 }
 # Benchmarks that launch their own MPI jobs: never run under mpiexec; -np N becomes their --np N.
 DRIVERS = {"suite", "faults"}
+# horovodrun waits 30 s; a rank counts as started once its Python runs, which on
+# a loaded 2-core CI machine (4 ranks, imports from a cold disk) can take 10-20 s.
+DEFAULT_START_TIMEOUT = 60.0
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="commwire")
 def cli() -> None:
     """commwire: fewer bytes, messages and synchronisations for distributed training."""
+
+
+class _Refused(click.UsageError):
+    """A usage error whose message already says how to fix it."""
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
@@ -52,7 +62,147 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _spawn(argv: list[str], env: dict[str, str]) -> int:
+@cli.command(context_settings=_PASSTHROUGH)
+@click.option("-np", "-n", "--num-proc", "np_", type=click.IntRange(min=1), default=1, show_default=True,
+              help="number of ranks")
+@click.option("-H", "--hosts", help="hosts and slots, e.g. node1:4,node2:4")
+@click.option("-hostfile", "--hostfile", type=click.Path(), help="file of 'host slots=N' (or host:N) lines")
+@click.option("-x", "env_pairs", multiple=True, metavar="VAR[=value]", help="export a variable to all ranks")
+@click.option("--mpi-args", default="", help='extra launcher flags, quoted: --mpi-args "-bind-to core"')
+@click.option("--output-filename", "output_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="also write each rank's output to DIR/rank.N/stdout and DIR/rank.N/stderr")
+@click.option("--timeline", "--timeline-filename", "timeline", type=click.Path(),
+              help="write a Chrome-trace timeline of all ranks here")
+@click.option("--fusion-threshold-mb", type=click.IntRange(min=0), metavar="MB",
+              help="tensor-fusion buffer of commwire.torch in MiB, 0 disables (sets HOROVOD_FUSION_THRESHOLD)")
+@click.option("--cycle-time-ms", type=click.FloatRange(min=0), metavar="MS",
+              help="accepted as horovodrun does (sets HOROVOD_CYCLE_TIME); commwire has no cycle: no effect")
+@click.option("--start-timeout", type=click.FloatRange(min=0), default=DEFAULT_START_TIMEOUT, show_default=True,
+              metavar="SECONDS", help="fail if the ranks have not all started by then (0: wait as long as it takes)")
+@click.option("--tag-output/--no-tag-output", default=True, show_default=True,
+              help="prefix each output line with its rank: [RANK]<stdout>: or [RANK]<stderr>:")
+@click.option("--check", is_flag=True, help="verify ranks agree on every collective's arguments")
+@click.option("--launcher", "launcher_kind", type=click.Choice(launch.LAUNCHER_KINDS), help="force a launcher")
+@click.option("--lab", is_flag=True, help="launch across the hosts of the emulated cluster (commwire lab up)")
+@click.option("--no-wrap", is_flag=True, help="run the command as is: no abort-on-error wrapper, no tags")
+@click.option("--verbose", is_flag=True, help="print the launch command and the environment it adds")
+@click.option("--dry-run", is_flag=True, help="print the launch command instead of running it")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, env_pairs: tuple[str, ...],
+        mpi_args: str, output_dir: str | None, timeline: str | None, fusion_threshold_mb: int | None,
+        cycle_time_ms: float | None, start_timeout: float, tag_output: bool, check: bool,
+        launcher_kind: str | None, lab: bool, no_wrap: bool, verbose: bool, dry_run: bool,
+        command: tuple[str, ...]) -> None:
+    """Run COMMAND on N ranks through the MPI launcher found (MPICH, Open MPI, Intel MPI, Slurm).
+
+    Takes horovodrun's options with their meaning. Each line a rank prints is
+    prefixed [RANK]<stdout>: or [RANK]<stderr>: (as horovodrun does), and two
+    ranks' text never shares a line; --no-tag-output drops the prefix. An
+    unhandled exception on any rank aborts the whole job with that rank's
+    number and traceback; the exit status is non-zero. --start-timeout counts
+    from the launch to the moment every rank's Python is running; it is
+    checked when all ranks run on this machine (not with --lab or remote
+    hosts), and generous by default so that a loaded CI machine passes.
+    """
+    import shlex
+
+    _check_command_words(ctx, command)
+    if no_wrap and output_dir:
+        raise _Refused("--output-filename needs the per-rank wrapper; drop --no-wrap")
+    env = {"COMMWIRE_RUN": "1", **_parse_env(env_pairs)}
+    # Explicit options win over -x, as horovodrun's do over the environment.
+    env.update(_horovodrun_env(timeline, fusion_threshold_mb, cycle_time_ms, check))
+    options = (["--tag-output"] if tag_output else []) + (
+        ["--output-dir", os.path.abspath(output_dir)] if output_dir else [])
+    cmd = list(command) if no_wrap else launch.wrap_program(command, options)
+    try:
+        argv, env, local = _launch_argv(np_, command, cmd, env, hosts=hosts, hostfile=hostfile,
+                                        launcher_kind=launcher_kind, lab=lab, mpi_args=shlex.split(mpi_args),
+                                        check_program=not dry_run)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    wrapped = "commwire._rankmain" in cmd
+    # Only on this machine are the ranks' status files surely in sight (a remote host may not share /tmp).
+    watch = start_timeout if wrapped and local and not lab and start_timeout > 0 else None
+    if verbose:
+        added = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        click.echo(f"commwire run: launcher command: {shlex.join(argv)}", err=True)
+        click.echo(f"commwire run: environment added: {added} COMMWIRE_RUN_DIR=(a new temporary folder)", err=True)
+        click.echo(f"commwire run: start timeout: {f'{watch:g} s' if watch else 'not checked'}", err=True)
+    if dry_run:
+        click.echo(shlex.join(argv))
+        return
+    if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+    sys.exit(_run_and_report(argv, env, np_, start_timeout=watch, summarize=wrapped))
+
+
+def _horovodrun_env(timeline: str | None, fusion_threshold_mb: int | None, cycle_time_ms: float | None,
+                    check: bool) -> dict[str, str]:
+    """Return the variables that carry `run`'s options to the ranks."""
+    env = {}
+    if timeline:
+        env["COMMWIRE_TIMELINE"] = os.path.abspath(timeline)
+    if fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(fusion_threshold_mb * 1024 * 1024)
+    if cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{cycle_time_ms:g}"
+    if check:
+        env["COMMWIRE_CHECK"] = "1"
+    return env
+
+
+def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[str, str], *, hosts: str | None,
+                 hostfile: str | None, launcher_kind: str | None, lab: bool, mpi_args: list[str],
+                 check_program: bool) -> tuple[list[str], dict[str, str], bool]:
+    """Return the launcher argv for ``cmd``, the environment to add, and whether every rank runs here.
+
+    With ``check_program`` (and ranks on this machine), refuse a ``command``
+    whose program or script does not exist before anything starts.
+    """
+    if lab and (hosts or hostfile or launcher_kind):
+        raise ValueError("--lab chooses the hosts and launcher itself; drop -H/--hostfile/--launcher")
+    if hosts and hostfile:
+        raise ValueError("give either -H/--hosts or --hostfile, not both")
+    pairs = launch.parse_hosts(hosts) if hosts else launch.parse_hostfile(hostfile) if hostfile else None
+    # --lab hosts are namespaces of this machine: same files, same programs.
+    local = lab or (launcher_kind != "slurm" and not os.environ.get("SLURM_JOB_ID") and launch.hosts_are_local(pairs))
+    if lab:
+        from .. import lab as lab_mod
+
+        prefix, lab_env = lab_mod.launch_args(np_, {**os.environ, **env})
+        if local and check_program:
+            launch.check_command(command, env=lab_env)
+        return prefix + mpi_args + cmd, {k: v for k, v in lab_env.items() if os.environ.get(k) != v}, local
+    launcher = launch.find_launcher(launcher_kind)
+    if local and check_program:  # a remote host may have what this one lacks: there, let the launcher say
+        launch.check_command(command, env={**os.environ, **env})
+    argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env, mpi_args=mpi_args)
+    return argv, env, local
+
+
+def _check_command_words(ctx: click.Context, command: tuple[str, ...]) -> None:
+    """Refuse an empty command, or one that starts with an option `run` does not know."""
+    if not command:
+        raise _Refused("no command given; e.g. commwire run -np 4 python train.py")
+    word = command[0]
+    if word.startswith("-") and word != "-":
+        import difflib
+
+        known = [opt for param in ctx.command.params for opt in (*param.opts, *param.secondary_opts)]
+        close = difflib.get_close_matches(word.partition("=")[0], known, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise _Refused(f"no such option: {word.partition('=')[0]}; {hint}(commwire run --help lists "
+                               "the options; launcher flags go in --mpi-args '...')")
+
+
+def _spawn(argv: list[str], env: dict[str, str], watch: Callable[[], int | None] | None = None) -> int:
+    """Run the launcher and return its exit status.
+
+    ``watch()`` is called every 0.1 s while the launcher runs, until its ``done``
+    attribute is true; a status it returns ends the job with that status.
+    """
     # The launcher gets its own process group so Ctrl-C/SIGTERM here end every
     # rank it started, and no orphan is left behind.
     proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
@@ -65,6 +215,13 @@ def _spawn(argv: list[str], env: dict[str, str]) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        while watch is not None and not getattr(watch, "done", False):
+            try:
+                return proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                status = watch()
+                if status is not None:
+                    return status
         return proc.wait()
     finally:
         for s, handler in previous.items():
@@ -77,70 +234,47 @@ def _spawn(argv: list[str], env: dict[str, str]) -> int:
             pass
 
 
-@cli.command(context_settings=_PASSTHROUGH)
-@click.option("-np", "-n", "np_", type=int, default=1, show_default=True, help="number of ranks")
-@click.option("-H", "--hosts", help="hosts and slots, e.g. node1:4,node2:4")
-@click.option("--hostfile", type=click.Path(), help="hostfile in the launcher's format")
-@click.option("-x", "env_pairs", multiple=True, metavar="VAR[=value]", help="export a variable to all ranks")
-@click.option("--mpi-args", default="", help='extra launcher flags, quoted: --mpi-args "-bind-to core"')
-@click.option("--timeline", type=click.Path(), help="write a Chrome-trace timeline of all ranks here")
-@click.option("--check", is_flag=True, help="verify ranks agree on every collective's arguments")
-@click.option("--launcher", "launcher_kind", type=click.Choice(launch.LAUNCHER_KINDS), help="force a launcher")
-@click.option("--lab", is_flag=True, help="launch across the hosts of the emulated cluster (commwire lab up)")
-@click.option("--no-wrap", is_flag=True, help="do not run python commands under the abort-on-error wrapper")
-@click.option("--dry-run", is_flag=True, help="print the launch command instead of running it")
-@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def run(np_: int, hosts: str | None, hostfile: str | None, env_pairs: tuple[str, ...], mpi_args: str,
-        timeline: str | None, check: bool, launcher_kind: str | None, lab: bool, no_wrap: bool,
-        dry_run: bool, command: tuple[str, ...]) -> None:
-    """Run COMMAND on N ranks through the MPI launcher found (MPICH, Open MPI, Intel MPI, Slurm).
+class _StartWatch:
+    """A `_spawn` watch that ends the job if not every rank has started within ``timeout`` seconds."""
 
-    An unhandled exception on any rank aborts the whole job with that rank's
-    number and traceback; the exit status is non-zero.
-    """
-    import shlex
+    def __init__(self, run_dir: str, np_: int, timeout: float) -> None:
+        self.run_dir, self.np_, self.timeout = run_dir, np_, timeout
+        self.deadline = time.monotonic() + timeout
+        self.done = self.timed_out = False
 
-    env = {"COMMWIRE_RUN": "1", **_parse_env(env_pairs)}
-    if timeline:
-        env["COMMWIRE_TIMELINE"] = os.path.abspath(timeline)
-    if check:
-        env["COMMWIRE_CHECK"] = "1"
-    cmd = list(command) if no_wrap else launch.wrap_python(list(command))
-    try:
-        if lab:
-            if hosts or hostfile or launcher_kind:
-                raise ValueError("--lab chooses the hosts and launcher itself; drop -H/--hostfile/--launcher")
-            from .. import lab as lab_mod
-
-            prefix, lab_env = lab_mod.launch_args(np_, {**os.environ, **env})
-            argv = prefix + shlex.split(mpi_args) + cmd
-            env = {k: v for k, v in lab_env.items() if os.environ.get(k) != v}
-        else:
-            launcher = launch.find_launcher(launcher_kind)
-            argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env,
-                                        mpi_args=shlex.split(mpi_args))
-    except (RuntimeError, ValueError, PermissionError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    if dry_run:
-        click.echo(shlex.join(argv))
-        return
-    sys.exit(_run_and_report(argv, env, np_))
+    def __call__(self) -> int | None:
+        if self.done:
+            return None
+        names = set(os.listdir(self.run_dir))
+        missing = [r for r in range(self.np_) if f"rank-{r}.json" not in names]
+        # A launcher whose rank variable ranklog does not know writes rank-?.json: we cannot count then.
+        self.done = not missing or "rank-?.json" in names
+        if self.done or time.monotonic() < self.deadline:
+            return None
+        self.timed_out = True
+        ranks = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        click.echo(f"commwire run: {len(missing)} of {self.np_} ranks had not started after {self.timeout:g} s "
+                   f"(ranks {ranks}); raise --start-timeout, or find what holds them up (an overloaded "
+                   "machine, a slow filesystem)", err=True)
+        return 1
 
 
-def _run_and_report(argv: list[str], env: dict[str, str], np_: int) -> int:
+def _run_and_report(argv: list[str], env: dict[str, str], np_: int, *, start_timeout: float | None = None,
+                    summarize: bool = True) -> int:
     """Run the launcher; on failure name the ranks that failed and how (from their status files)."""
     import shutil
     import tempfile
 
-    from ..comm.ranklog import summarize
+    from ..comm.ranklog import summarize as summary
 
     run_dir = tempfile.mkdtemp(prefix="commwire-run-")
+    watch = _StartWatch(run_dir, np_, start_timeout) if start_timeout else None
     try:
-        status = _spawn(argv, {**env, "COMMWIRE_RUN_DIR": run_dir})
-        if status != 0:
+        status = _spawn(argv, {**env, "COMMWIRE_RUN_DIR": run_dir}, watch)
+        if status != 0 and not (watch and watch.timed_out):
             time.sleep(0.2)  # let the ranks' guardians record the last deaths
             click.echo(f"commwire run: the job failed (launcher exit status {status})", err=True)
-            for line in summarize(run_dir, np_):
+            for line in summary(run_dir, np_) if summarize else []:
                 click.echo(f"  {line}", err=True)
         return status
     finally:
@@ -157,7 +291,8 @@ def info() -> None:
 
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
-@click.option("-np", "-n", "np_", type=int, default=None, help="launch the benchmark on N local ranks")
+@click.option("-np", "-n", "np_", type=click.IntRange(min=1), default=None,
+              help="launch the benchmark on N local ranks")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     """Run benchmark NAME (extra ARGS go to it; ``commwire bench NAME -- --help`` lists them).
@@ -172,21 +307,104 @@ def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     project    alpha-beta cost model: fit on measurements, validate, project to 1024 nodes
     suite      all of allreduce, glm, torch (loopback and --lab bandwidths): JSON + Markdown + PNG report
     """
-    module = f"commwire.bench.{BENCHMARKS[name]}"
-    if importlib.util.find_spec(module) is None:
+    module_name = f"commwire.bench.{BENCHMARKS[name]}"
+    if importlib.util.find_spec(module_name) is None:
         raise click.ClickException(f"benchmark {name!r} is not installed in this commwire build")
-    if name in DRIVERS:
-        # A driver starts `commwire run` jobs itself: run it here, with -np passed on to it.
-        forwarded = ["--np", str(np_)] if np_ is not None else []
-        sys.exit(importlib.import_module(module).main([*forwarded, *args]) or 0)
-    if np_ is not None and np_ > 1:
+    module = importlib.import_module(module_name)
+    # A driver starts `commwire run` jobs itself: it runs here, with -np passed on to it.
+    argv = [*(["--np", str(np_)] if np_ is not None and name in DRIVERS else []), *args]
+    _check_bench_args(name, module, argv)  # here, once, rather than a traceback on every rank
+    if np_ is not None and np_ > 1 and name not in DRIVERS:
         try:
-            argv = launch.build_command(launch.find_launcher(), np_, [sys.executable, "-m", module, *args],
-                                        env={"COMMWIRE_RUN": "1"})
+            command = launch.build_command(launch.find_launcher(), np_, [sys.executable, "-m", module_name, *args],
+                                           env={"COMMWIRE_RUN": "1"})
         except (RuntimeError, ValueError) as exc:
             raise click.ClickException(str(exc)) from exc
-        sys.exit(_spawn(argv, {"COMMWIRE_RUN": "1"}))
-    sys.exit(importlib.import_module(module).main(list(args)) or 0)
+        sys.exit(_spawn(command, {"COMMWIRE_RUN": "1"}))
+    try:
+        status = module.main(argv) or 0
+    except ValueError as exc:  # benchmarks refuse a bad value with a ValueError that names it
+        raise _Refused(f"{exc} (python -m {module_name} ... shows the traceback)") from None
+    sys.exit(status)
+
+
+class _Parsed(Exception):
+    """Raised in place of running a benchmark once its own parser has accepted the arguments."""
+
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__()
+        self.namespace = namespace
+
+
+def _check_bench_args(name: str, module: Any, argv: list[str]) -> None:
+    """Parse ``argv`` with the benchmark's own argparse parser without running it; refuse bad values in one line.
+
+    The parser is built inside each benchmark's ``main``: run ``main`` with
+    ``parse_args`` made to stop right after parsing. ``--help`` prints and exits.
+    """
+    if "parse_args" not in getattr(getattr(module.main, "__code__", None), "co_names", ()):
+        return  # no argparse parser to ask (e.g. a test's stand-in)
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_only(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
+        raise _Parsed(real(self, args, namespace))
+
+    err = io.StringIO()
+    argparse.ArgumentParser.parse_args = parse_only  # type: ignore[method-assign]
+    try:
+        with contextlib.redirect_stderr(err):
+            module.main(argv)
+    except _Parsed as parsed:
+        namespace = parsed.namespace
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise  # --help has been printed
+        lines = err.getvalue().strip().splitlines() or [f"bad arguments {argv}"]
+        message = lines[-1].partition(": error: ")[2] or lines[-1]
+        raise _Refused(f"{message} (commwire bench {name} -- --help lists the options)") from None
+    else:
+        return
+    finally:
+        argparse.ArgumentParser.parse_args = real  # type: ignore[method-assign]
+    try:
+        for option, check in _BENCH_CHECKS.get(name, {}).items():
+            value = getattr(namespace, option.lstrip("-").replace("-", "_"), None)
+            if value:
+                check(value)
+    except ValueError as exc:
+        raise _Refused(f"{option}: {exc}") from None
+
+
+def _check_sizes(text: str) -> None:
+    from ..bench.allreduce import parse_size
+
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            parse_size(item)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; give sizes of 4 bytes or more, e.g. --sizes 8,64K,1M") from None
+
+
+def _check_codecs(text: str) -> None:
+    from ..codecs import registry
+
+    for spec in filter(None, (s.strip() for s in text.split(","))):
+        registry.get(spec)
+
+
+def _check_datasets(text: str) -> None:
+    from ..bench.glm import DATASETS
+
+    unknown = [name for name in filter(None, (s.strip() for s in text.split(","))) if name not in DATASETS]
+    if unknown:
+        raise ValueError(f"data set {unknown[0]!r} is unknown; choose from {', '.join(DATASETS)}")
+
+
+# Values a benchmark's parser accepts as text and checks only once it runs on every rank.
+_BENCH_CHECKS: dict[str, dict[str, Callable[[str], None]]] = {
+    "allreduce": {"--sizes": _check_sizes, "--codec": _check_codecs},
+    "glm": {"--datasets": _check_datasets, "--sweep": _check_datasets},
+}
 
 
 @cli.group()
@@ -247,12 +465,26 @@ def _lab_call(fn):  # type: ignore[no-untyped-def]
         raise click.ClickException(str(exc)) from exc
 
 
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
 def main(args: Sequence[str] | None = None) -> int:
-    """Run the CLI with ``args`` (default: sys.argv[1:]) and return the exit status."""
+    """Run the CLI with ``args`` (default: sys.argv[1:]) and return the exit status.
+
+    A usage error or a refused value prints one line, ``commwire CMD: what is
+    wrong and how to fix it``, never a traceback.
+    """
+    argv = list(args) if args is not None else sys.argv[1:]
     try:
-        cli.main(args=list(args) if args is not None else None, prog_name="commwire", standalone_mode=False)
-    except click.ClickException as exc:
+        cli.main(args=argv, prog_name="commwire", standalone_mode=False)
+    except _NO_ARGS_IS_HELP as exc:  # `commwire` or `commwire lab` alone: the help is the answer
         exc.show()
+        return exc.exit_code
+    except click.ClickException as exc:
+        message = " ".join(exc.format_message().split())  # click lists choices on several lines
+        if isinstance(exc, click.UsageError) and not isinstance(exc, (click.BadParameter, _Refused)):
+            message += f" ({_where(argv)} --help)"
+        click.echo(f"{_where(argv)}: {message}", err=True)
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("Aborted!", err=True)
@@ -260,3 +492,17 @@ def main(args: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
+
+
+def _where(argv: list[str]) -> str:
+    """Return the command an error belongs to, e.g. ``commwire lab up`` or ``commwire bench allreduce``."""
+    words, command = ["commwire"], cli
+    for word in argv:
+        if isinstance(command, click.Group) and word in command.commands:
+            words.append(word)
+            command = command.commands[word]
+        elif command is bench and word in BENCHMARKS:
+            return " ".join([*words, word])
+        elif not word.startswith("-"):
+            break
+    return " ".join(words)

@@ -92,16 +92,18 @@ def summarize(run_dir: str, np_: int) -> list[str]:
         except (OSError, ValueError, KeyError):
             continue
     silent = {r: e for r, e in entries.items() if e.get("status", "running") == "running" and "died" in e}
-    reported = any(e.get("status") in ("raised", "stalled") for e in entries.values())
+    reported = any(e.get("status") in ("raised", "failed", "stalled") for e in entries.values())
     first = None if reported or not silent else min(silent, key=lambda r: silent[r]["died"])
     lines = []
-    order = {"raised": 0, "stalled": 1}
+    order = {"raised": 0, "failed": 0, "stalled": 1}
     for rank, e in sorted(entries.items(), key=lambda kv: (kv[0] != first, order.get(kv[1].get("status"), 2),
                                                              kv[1].get("died", 0.0))):
         where = f"rank {rank} (pid {e.get('pid', '?')} on {e.get('host', '?')})"
         status = e.get("status", "running")
         if status == "raised":
             lines.append(f"{where}: raised {e['detail']}")
+        elif status == "failed":  # a program run by `_rankmain --exec` exited non-zero
+            lines.append(f"{where}: {e['detail']}")
         elif status == "stalled":
             lines.append(f"{where}: the stall watchdog aborted the job; {e['detail']}")
         elif rank == first:

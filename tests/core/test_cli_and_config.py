@@ -89,7 +89,7 @@ def test_cli_run_dry_run_prints_command(capsys):
     assert main(["run", "--dry-run", "-np", "3", "-x", "A=1", "--timeline", "t.json", "python", "s.py"]) == 0
     out = capsys.readouterr().out
     assert "-n 3" in out and "COMMWIRE_RUN 1" in out and "A 1" in out and "COMMWIRE_TIMELINE" in out
-    assert out.strip().endswith("python -m commwire._rankmain s.py")
+    assert out.strip().endswith("python -m commwire._rankmain --tag-output s.py")
 
 
 def test_cli_run_rejects_bad_env_pair(capsys):
