@@ -30,6 +30,7 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "codecs": "codecs",
     "glm": "glm",
     "torch": "torch_ddp",
+    "grouped": "grouped",
     "faults": "faults",
     "gift": "gift",
     "project": "project",

@@ -264,6 +264,20 @@ class Communicator:
 
         return lane_for(self).submit(method, *args, **kwargs)
 
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``method(lane_comm, *args, **kwargs)`` in order with the lane's work and return its result.
+
+        When the lane is idle it runs on the calling thread (no hand-off to the
+        worker); otherwise it waits for the work submitted before it.
+        """
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return method(self, *args, **kwargs)
+        from .lane import lane_for
+
+        return lane_for(self).call(method, *args, **kwargs)
+
     # ------------------------------------------------------------- allreduce
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None, name: str | None = None) -> Any:
         """Reduce ``x`` over all ranks and return the result on every rank.

@@ -47,7 +47,13 @@ class _FutureHandle(Handle):
 
 
 class Lane:
-    """Run functions of a communicator on one background thread, in order."""
+    """Run functions of a communicator on one background thread, in order.
+
+    ``call`` runs a function on the caller's thread instead when nothing is
+    queued (a blocking collective then pays no thread hand-off), still in
+    order with everything submitted: one lock admits one function at a time,
+    and work is queued only behind work that came first.
+    """
 
     def __init__(self, comm: Communicator) -> None:
         from mpi4py import MPI
@@ -61,10 +67,39 @@ class Lane:
             )
         self.comm = comm._derive(comm.mpi.Dup())
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="commwire-lane", initializer=_mark_lane_thread)
+        self._run_lock = threading.Lock()  # held while a function of this lane runs, on any thread
+        self._count_lock = threading.Lock()
+        self._queued = 0  # submitted and not finished
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            with self._run_lock:
+                return fn(self.comm, *args, **kwargs)
+        finally:
+            with self._count_lock:
+                self._queued -= 1
 
     def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Handle:
         """Run ``fn(lane_comm, *args, **kwargs)`` on the lane; return a handle (named ``label``) to its result."""
-        return _FutureHandle(self._executor.submit(fn, self.comm, *args, **kwargs), label or kwargs.get("name"))
+        with self._count_lock:
+            self._queued += 1
+            future = self._executor.submit(self._run, fn, args, kwargs)
+        return _FutureHandle(future, label or kwargs.get("name"))
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(lane_comm, *args, **kwargs)`` after the work queued so far and return its result."""
+        with self._count_lock:
+            idle = self._queued == 0 and self._run_lock.acquire(blocking=False)
+            if idle:
+                self._queued += 1  # work submitted from now on queues behind this call
+        if not idle:
+            return self.submit(fn, *args, **kwargs).wait()
+        try:
+            return fn(self.comm, *args, **kwargs)
+        finally:
+            self._run_lock.release()
+            with self._count_lock:
+                self._queued -= 1
 
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""

@@ -180,8 +180,7 @@ def _register(ps: ProcessSet) -> ProcessSet:
         bad = [r for r in ps.ranks if not 0 <= r < world.size]
         # Agreed on the global process set's lane, where every Horovod collective runs: a rank
         # still inside another collective meets a mismatch error instead of a hang.
-        everyone = global_process_set.comm.submit(Communicator.allgather_object, ps.ranks,
-                                                  name="add_process_set").wait()
+        everyone = global_process_set.comm.call(Communicator.allgather_object, ps.ranks, name="add_process_set")
         if bad or any(r != ps.ranks for r in everyone):
             # every rank sees the same list of lists, so every rank raises alike
             raise ValueError(f"add_process_set needs the same valid ranks on every rank (0..{world.size - 1}); "

@@ -15,7 +15,7 @@ import torch
 
 from ..comm.communicator import Communicator
 from .basics import comm_of, global_process_set
-from .mpi_ops import _rooted, _submit
+from .mpi_ops import _call, _rooted
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
            "check_same_parameters"]
@@ -60,8 +60,8 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_set: Any = glo
     named = _named_tensors(params)
     tensors, root = _rooted([t for _, t in named], root_rank, process_set)
     if not isinstance(tensors, list):  # root_rank is not a member: every member raises
-        _submit(process_set, Communicator.broadcast, tensors, 0, name="broadcast_parameters").wait()
-    _submit(process_set, _broadcast_fused, tensors, root, name="broadcast_parameters").wait()
+        _call(process_set, Communicator.broadcast, tensors, 0, name="broadcast_parameters")
+    _call(process_set, _broadcast_fused, tensors, root, name="broadcast_parameters")
     from ..comm.runtime import world
 
     if world().check is True:
@@ -89,12 +89,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     # A root outside the process set fails the core's root check on every member alike.
     root = ranks.index(root_rank) if root_rank in ranks else f"global rank {root_rank!r}, not in {ranks}"
     # No default name from the object's type (as Horovod makes): root's and the others' may differ.
-    return _submit(process_set, Communicator.broadcast_object, obj, root, name=name).wait()
+    return _call(process_set, Communicator.broadcast_object, obj, root, name=name)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
     """Return every member's picklable ``obj``, in rank order."""
-    return _submit(process_set, Communicator.allgather_object, obj, name=name).wait()
+    return _call(process_set, Communicator.allgather_object, obj, name=name)
 
 
 # --------------------------------------------------------------------------- optimizer state
@@ -157,10 +157,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     layout = _placeholders(inner.state_dict(), tensors) if is_root else None
     layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state", process_set=process_set)
     if is_root:
-        _submit(process_set, _broadcast_fused, tensors, comm.rank, name="broadcast_optimizer_state").wait()
+        _call(process_set, _broadcast_fused, tensors, comm.rank, name="broadcast_optimizer_state")
         return
     device = next((p.device for g in inner.param_groups for p in g["params"]), torch.device("cpu"))
     received: list[torch.Tensor] = []
     state = _rebuild(layout, received, device)
-    _submit(process_set, _broadcast_fused, received, ranks.index(root_rank), name="broadcast_optimizer_state").wait()
+    _call(process_set, _broadcast_fused, received, ranks.index(root_rank), name="broadcast_optimizer_state")
     inner.load_state_dict(state)  # a DistributedOptimizer sees it: it shares the wrapped optimizer's groups

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..comm.arrays import Invalid
 from ..comm.communicator import Communicator
@@ -101,6 +102,18 @@ def _submit(process_set: Any, fn: Callable[..., Any], *args: Any, name: str | No
     return handle
 
 
+def _call(process_set: Any, fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+    """Run ``fn(lane_comm, *args, name=name, **kwargs)`` in order with the lane's work; return its result."""
+    comm = comm_of(process_set)
+    if name is not None:
+        with _in_flight_lock:
+            other = _in_flight.get((id(comm), name))
+        if other is not None and not other.poll():
+            raise ValueError(f"a collective named {name!r} is still in flight on this rank; names of "
+                             "concurrent collectives must be unique (synchronize it first or pick another name)")
+    return comm.call(fn, *args, name=name, **kwargs)
+
+
 def poll(handle: Any) -> bool:
     """Return whether the collective of ``handle`` has completed (never blocks)."""
     if isinstance(handle, HorovodHandle):
@@ -164,6 +177,7 @@ def _core_reduce(comm: Communicator, x: Any, op: str, name: str | None, codec: A
 
 
 # --------------------------------------------------------------------------- allreduce
+@torch.no_grad()
 def _allreduce_on(comm: Communicator, tensor: torch.Tensor, op: str, prescale: float, postscale: float,
                   codec: Any = None, compressor: Any = None, inplace: bool = False,
                   name: str | None = None) -> torch.Tensor:
@@ -209,13 +223,13 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, op: str, name: str | None, prescale: float, postscale: float,
                 process_set: Any, codec: Any, compressor: Any) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return _submit(process_set, _allreduce_on, tensor, op, prescale, postscale, codec, compressor,
-                       name=name).wait()
+        return _call(process_set, _allreduce_on, tensor, op, prescale, postscale, codec, compressor,
+                       name=name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, prescale, postscale, process_set = ctx.args
-        reduced = _submit(process_set, _allreduce_on, grad.contiguous(), op, prescale, postscale).wait()
+        reduced = _call(process_set, _allreduce_on, grad.contiguous(), op, prescale, postscale)
         return (reduced,) + (None,) * 7
 
 
@@ -237,16 +251,19 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the process set in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    op = _resolve_op(average, op)
+    return _call(process_set, _allreduce_on, tensor, op, prescale_factor, postscale_factor, inplace=True, name=name)
 
 
 # --------------------------------------------------------------------------- grouped allreduce
 def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]] | Invalid:
     """Return the indices of ``tensors`` per dtype (first-appearance order), or Invalid if devices differ."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        return Invalid(RuntimeError(f"a grouped collective needs every tensor on one device, got "
-                                    f"{sorted(map(str, devices))}; group the CPU and the GPU tensors separately"))
+    if len({t.get_device() for t in tensors}) > 1:  # -1 for the CPU, else the CUDA device index
+        devices = sorted({str(t.device) for t in tensors})
+        return Invalid(RuntimeError(f"a grouped collective needs every tensor on one device, got {devices}; "
+                                    "group the CPU and the GPU tensors separately"))
+    if len({t.dtype for t in tensors}) <= 1:
+        return [list(range(len(tensors)))]
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
@@ -258,14 +275,18 @@ def _pack(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor
     groups = _dtype_groups(tensors)
     if isinstance(groups, Invalid):
         return [(list(range(len(tensors))), groups)]
-    return [(idx, torch.cat([tensors[i].detach().reshape(-1) for i in idx])) for idx in groups]
+    # torch's C++ flatten/unflatten (as DDP uses) cost a microsecond or two per tensor where a
+    # Python loop of reshape/view calls costs ten: it is what keeps a group as cheap as one tensor.
+    return [(idx, _flatten_dense_tensors([tensors[i] for i in idx]) if idx else torch.empty(0))
+            for idx in groups]
 
 
 def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], out: list[Any]) -> None:
-    for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-        out[i] = piece.view(tensors[i].shape)
+    for i, piece in zip(idx, _unflatten_dense_tensors(flat, [tensors[i] for i in idx])):
+        out[i] = piece
 
 
+@torch.no_grad()
 def _grouped_allreduce_on(comm: Communicator, tensors: Sequence[torch.Tensor], op: str, prescale: float,
                           postscale: float, codec: Any = None, compressor: Any = None, inplace: bool = False,
                           name: str | None = None) -> list[torch.Tensor]:
@@ -306,14 +327,14 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, op: str, name: str | None, prescale: float, postscale: float, process_set: Any,
                 codec: Any, compressor: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(_submit(process_set, _grouped_allreduce_on, list(tensors), op, prescale, postscale, codec,
-                             compressor, name=name).wait())
+        return tuple(_call(process_set, _grouped_allreduce_on, list(tensors), op, prescale, postscale, codec,
+                             compressor, name=name))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, prescale, postscale, process_set = ctx.args
-        reduced = _submit(process_set, _grouped_allreduce_on, [g.contiguous() for g in grads], op, prescale,
-                          postscale).wait()
+        reduced = _call(process_set, _grouped_allreduce_on, [g.contiguous() for g in grads], op, prescale,
+                          postscale)
         return (None,) * 7 + tuple(reduced)
 
 
@@ -331,11 +352,13 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
     """Reduce ``tensors`` in place, fused; return them."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    op = _resolve_op(average, op)
+    return _call(process_set, _grouped_allreduce_on, list(tensors), op, prescale_factor, postscale_factor,
+                 inplace=True, name=name)
 
 
 # --------------------------------------------------------------------------- allgather
+@torch.no_grad()
 def _allgather_on(comm: Communicator, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     return comm.allgather(tensor.detach(), name=name)
 
@@ -347,7 +370,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 
 def _rows_before(first_dim: int, process_set: Any) -> int:
-    dims = _submit(process_set, _allgather_on, torch.tensor([first_dim], dtype=torch.int64)).wait()
+    dims = _call(process_set, _allgather_on, torch.tensor([first_dim], dtype=torch.int64))
     me = comm_of(process_set).rank
     return int(dims[:me].sum())
 
@@ -356,11 +379,11 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> torch.Tensor:
         ctx.shape, ctx.process_set = tensor.shape, process_set
-        return _submit(process_set, _allgather_on, tensor, name=name).wait()
+        return _call(process_set, _allgather_on, tensor, name=name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _submit(ctx.process_set, _allreduce_on, grad.contiguous(), Average, 1.0, 1.0).wait()
+        reduced = _call(ctx.process_set, _allreduce_on, grad.contiguous(), Average, 1.0, 1.0)
         rows = int(ctx.shape[0]) if len(ctx.shape) else 1
         offset = _rows_before(rows, ctx.process_set)
         return reduced.narrow(0, offset, rows).reshape(ctx.shape), None, None
@@ -371,6 +394,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     return _Allgather.apply(tensor, name, process_set)
 
 
+@torch.no_grad()
 def _grouped_allgather_on(comm: Communicator, tensors: Sequence[torch.Tensor],
                           name: str | None = None) -> list[torch.Tensor]:
     """Gather several tensors in two collectives: their row counts and shapes, then all bytes fused."""
@@ -409,13 +433,13 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.dims, ctx.process_set = [int(t.shape[0]) for t in tensors], process_set
-        return tuple(_submit(process_set, _grouped_allgather_on, list(tensors), name=name).wait())
+        return tuple(_call(process_set, _grouped_allgather_on, list(tensors), name=name))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _submit(ctx.process_set, _grouped_allreduce_on, [g.contiguous() for g in grads], Average, 1.0,
-                          1.0).wait()
-        offsets = _submit(ctx.process_set, _allgather_on, torch.tensor([ctx.dims], dtype=torch.int64)).wait()
+        reduced = _call(ctx.process_set, _grouped_allreduce_on, [g.contiguous() for g in grads], Average, 1.0,
+                          1.0)
+        offsets = _call(ctx.process_set, _allgather_on, torch.tensor([ctx.dims], dtype=torch.int64))
         me = comm_of(ctx.process_set).rank
         before = offsets[:me].sum(dim=0).tolist()
         return (None, None) + tuple(r.narrow(0, int(o), d) for r, o, d in zip(reduced, before, ctx.dims))
@@ -428,6 +452,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
 
 # --------------------------------------------------------------------------- broadcast
+@torch.no_grad()
 def _broadcast_on(comm: Communicator, tensor: torch.Tensor, root: Any, inplace: bool = False,
                   name: str | None = None) -> torch.Tensor:
     data = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor  # an Invalid stays itself
@@ -451,11 +476,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any) -> torch.Tensor:
         ctx.root, ctx.process_set = root_rank, process_set
-        return broadcast_async(tensor, root_rank, name, process_set).wait()
+        return _call(process_set, _broadcast_on, *_rooted(tensor, root_rank, process_set), name=name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _submit(ctx.process_set, _allreduce_on, grad.contiguous(), Average, 1.0, 1.0).wait()
+        reduced = _call(ctx.process_set, _allreduce_on, grad.contiguous(), Average, 1.0, 1.0)
         from .basics import rank
 
         if rank() != ctx.root:
@@ -472,10 +497,11 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with root's, in place, and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _call(process_set, _broadcast_on, *_rooted(tensor, root_rank, process_set), inplace=True, name=name)
 
 
 # --------------------------------------------------------------------------- alltoall
+@torch.no_grad()
 def _alltoall_on(comm: Communicator, tensor: torch.Tensor, splits: Any,
                  name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     result, received = comm.alltoallv(tensor.detach(), splits, name=name)
@@ -494,7 +520,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any) -> Any:
-        output, received = _submit(process_set, _alltoall_on, tensor, splits, name=name).wait()
+        output, received = _call(process_set, _alltoall_on, tensor, splits, name=name)
         ctx.process_set, ctx.received = process_set, received
         if splits is None:
             return output
@@ -503,7 +529,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, ...]:
-        back, _ = _submit(ctx.process_set, _alltoall_on, grad.contiguous(), ctx.received.cpu()).wait()
+        back, _ = _call(ctx.process_set, _alltoall_on, grad.contiguous(), ctx.received.cpu())
         return back, None, None, None
 
 
@@ -517,6 +543,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 
 # --------------------------------------------------------------------------- reducescatter
+@torch.no_grad()
 def _reducescatter_on(comm: Communicator, tensor: torch.Tensor, op: str, prescale: float, postscale: float,
                       codec: Any = None, compressor: Any = None, counts: Any = None,
                       name: str | None = None) -> torch.Tensor:
@@ -543,8 +570,8 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: str, process_set: Any, prescale: float,
                 postscale: float, compressor: Any) -> torch.Tensor:
         ctx.args = (op, process_set, prescale * postscale)
-        return _submit(process_set, _reducescatter_on, tensor, op, prescale, postscale, None, compressor,
-                       name=name).wait()
+        return _call(process_set, _reducescatter_on, tensor, op, prescale, postscale, None, compressor,
+                       name=name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -552,7 +579,7 @@ class _Reducescatter(torch.autograd.Function):
         if op == Sum:
             scale = scale * comm_of(process_set).size
         grad = grad * scale if scale != 1.0 else grad
-        return _submit(process_set, _allgather_on, grad.contiguous()).wait(), None, None, None, None, None, None
+        return _call(process_set, _allgather_on, grad.contiguous()), None, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
@@ -564,6 +591,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
                                 compressor)
 
 
+@torch.no_grad()
 def _grouped_reducescatter_on(comm: Communicator, tensors: Sequence[torch.Tensor], op: str, prescale: float,
                               postscale: float, name: str | None = None) -> list[torch.Tensor]:
     """Reduce-scatter several tensors fused: each member's blocks of every tensor travel together."""
@@ -604,8 +632,8 @@ class _GroupedReducescatter(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: str, process_set: Any, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, process_set, prescale * postscale)
-        return tuple(_submit(process_set, _grouped_reducescatter_on, list(tensors), op, prescale, postscale,
-                             name=name).wait())
+        return tuple(_call(process_set, _grouped_reducescatter_on, list(tensors), op, prescale, postscale,
+                             name=name))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -613,7 +641,7 @@ class _GroupedReducescatter(torch.autograd.Function):
         if op == Sum:
             scale = scale * comm_of(process_set).size
         grads = tuple(g * scale if scale != 1.0 else g for g in grads)
-        gathered = _submit(process_set, _grouped_allgather_on, [g.contiguous() for g in grads]).wait()
+        gathered = _call(process_set, _grouped_allgather_on, [g.contiguous() for g in grads])
         return (None,) * 5 + tuple(gathered)
 
 
@@ -651,7 +679,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
 
 def join(device: int = -1) -> int:
     """Take part in the other ranks' all-reduces with zeros until every rank has joined; return the last one."""
-    return comm_of(global_process_set).submit(Communicator.join).wait()
+    return comm_of(global_process_set).call(Communicator.join)
 
 
 def barrier(process_set: Any = global_process_set) -> None:

@@ -1,0 +1,203 @@
+"""Run Horovod's own PyTorch test suite and examples against commwire.torch.
+
+Nothing of Horovod is copied into this repository: point ``--horovod`` at a
+checkout (a work tree, or a bare git directory such as the one the search
+tool's ``fetch`` gives) and this script copies the files it needs into a
+temporary directory, changing only:
+
+- ``import horovod.torch as hvd`` → ``import commwire.torch as hvd`` (and, in
+  the examples, ``import horovod`` → ``import commwire as horovod``);
+- test/utils/common.py: drop ``from horovod.runner.util.threads import
+  in_thread`` (a launcher helper test_torch.py never uses);
+- test_torch.py: leave torch >= 2.13's ``Muon`` out of the loops over
+  ``torch.optim`` classes (Horovod itself fails there: Muon takes only 2-D
+  parameters).
+
+The suite runs as ONE ``mpiexec -n N python -m pytest test_torch.py`` job per
+N, the way Horovod runs it; every rank writes its own JUnit report, and the
+summary gives each rank's passed / failed / skipped counts and the failures.
+The examples (pytorch_synthetic_benchmark.py, pytorch_mnist.py) run with the
+torchvision stand-in of benchmarks/horovod/torchvision_standin (no CPU
+torchvision wheel matches the torch here): plain, ``--fp16-allreduce`` and
+``--use-adasum``.
+
+Usage:
+    python benchmarks/horovod/run_horovod_suite.py --horovod /work/.mirror/horovod+horovod/repo \\
+        --np 2,3 --examples --json horovod_suite.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STANDIN = HERE / "torchvision_standin"
+SUITE = "test/parallel/test_torch.py"
+COMMON = "test/utils/common.py"
+EXAMPLES = ("examples/pytorch/pytorch_synthetic_benchmark.py", "examples/pytorch/pytorch_mnist.py")
+
+
+def read(horovod: Path, rel: str) -> str:
+    """Return the text of ``rel`` from a work tree or a bare git directory."""
+    if (horovod / rel).exists():
+        return (horovod / rel).read_text()
+    git_dir = horovod if (horovod / "HEAD").exists() else horovod / ".git"
+    out = subprocess.run(["git", f"--git-dir={git_dir}", "show", f"HEAD:{rel}"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"cannot read {rel} from {horovod}: {out.stderr.strip()}; pass a Horovod checkout")
+    return out.stdout
+
+
+def edit(text: str, replacements: list[tuple[str, str]], what: str) -> str:
+    """Apply each (regex, replacement) exactly where it matches; fail if one matches nothing."""
+    for pattern, repl in replacements:
+        text, n = re.subn(pattern, repl, text, flags=re.MULTILINE)
+        if n == 0:
+            raise SystemExit(f"{what}: expected to find {pattern!r}; is this Horovod's file?")
+    return text
+
+
+def prepare(horovod: Path, work: Path) -> Path:
+    """Write the edited suite and helpers under ``work``; return the directory of test_torch.py."""
+    (work / "parallel").mkdir(parents=True)
+    (work / "utils").mkdir()
+    suite = edit(read(horovod, SUITE), [
+        (r"^import horovod\.torch as hvd$", "import commwire.torch as hvd"),
+        (r"subclass != torch\.optim\.SparseAdam$", "subclass != torch.optim.SparseAdam and subclass.__name__ != 'Muon'"),
+    ], SUITE)
+    common = edit(read(horovod, COMMON), [(r"^from horovod\.runner\.util\.threads import in_thread$", "")], COMMON)
+    (work / "parallel" / "test_torch.py").write_text(suite)
+    (work / "utils" / "common.py").write_text(common)
+    return work / "parallel"
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("no mpiexec: pip install 'commwire[mpich]'")
+    return found
+
+
+def run_suite(directory: Path, n: int, timeout: float, out: Path) -> dict:
+    """Run the suite as one n-rank job; return per-rank counts and failures."""
+    out.mkdir(parents=True, exist_ok=True)
+    rank_cmd = (f"{sys.executable} -m pytest -q -p no:cacheprovider test_torch.py "
+                f"--junitxml={out}/rank$PMI_RANK.xml > {out}/rank$PMI_RANK.log 2>&1")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", rank_cmd], cwd=directory, timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    elapsed = time.monotonic() - start
+    ranks = []
+    for r in range(n):
+        report = out / f"rank{r}.xml"
+        ranks.append(junit_counts(report) if report.exists() else {"missing": str(report)})
+    return {"ranks": n, "exit": code, "seconds": round(elapsed, 1), "per_rank": ranks}
+
+
+def junit_counts(path: Path) -> dict:
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        if kinds & {"failure", "error"}:
+            counts["failed"] += 1
+            message = next(c.get("message", "") for c in case if c.tag in ("failure", "error"))
+            counts["failures"].append(f"{case.get('name')}: {message.splitlines()[0][:160] if message else ''}")
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    ran = counts["passed"] + counts["failed"]
+    counts["pass_rate"] = round(counts["passed"] / ran, 4) if ran else 0.0
+    return counts
+
+
+def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]:
+    """Run Horovod's PyTorch examples with only the import changed; return one row per run."""
+    rows = []
+    edits = [(r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")]
+    env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512"}
+    scripts = {}
+    for rel in EXAMPLES:
+        extra = [(r"^import horovod$", "import commwire as horovod")] if rel.endswith("mnist.py") else []
+        path = work / Path(rel).name
+        path.write_text(edit(read(horovod, rel), edits + extra, rel))
+        scripts[rel] = path
+    runs = {
+        "pytorch_synthetic_benchmark.py": ["--no-cuda", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
+                                           "--num-iters", "3", "--batch-size", "8"],
+        "pytorch_mnist.py": ["--no-cuda", "--epochs", "1", "--data-dir", str(work / "data")],
+    }
+    for rel, path in scripts.items():
+        for flag in ("", "--fp16-allreduce", "--use-adasum"):
+            args = runs[path.name] + ([flag] if flag else [])
+            start = time.monotonic()
+            try:
+                proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, str(path), *args], cwd=work, env=env,
+                                      capture_output=True, text=True, timeout=timeout)
+                lines = (proc.stdout + proc.stderr).strip().splitlines()
+                key = [ln.strip() for ln in lines if "Test set:" in ln or "Total img/sec" in ln]
+                code, tail = proc.returncode, key or lines[-3:]
+            except subprocess.TimeoutExpired:
+                code, tail = "timeout", []
+            rows.append({"example": path.name, "flag": flag or "(plain)", "ranks": n, "exit": code,
+                         "seconds": round(time.monotonic() - start, 1), "last_lines": tail})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--horovod", required=True, type=Path, help="Horovod checkout (work tree or git dir)")
+    parser.add_argument("--np", default="2,3", help="rank counts, comma-separated (default 2,3)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    parser.add_argument("--examples", action="store_true", help="also run the PyTorch examples")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--suite", action=argparse.BooleanOptionalAction, default=True,
+                        help="run test_torch.py (default; --no-suite for the examples only)")
+    args = parser.parse_args(argv)
+    counts = [int(v) for v in args.np.split(",") if v.strip()]
+    results: dict = {"suites": [], "examples": []}
+    with tempfile.TemporaryDirectory(prefix="cw-horovod-") as tmp:
+        work = Path(tmp)
+        directory = prepare(args.horovod, work / "suite")
+        for n in counts if args.suite else []:
+            row = run_suite(directory, n, args.timeout, work / f"out{n}")
+            results["suites"].append(row)
+            print(f"test_torch.py as one mpiexec -n {n} job: exit {row['exit']}, {row['seconds']} s")
+            for r, rank in enumerate(row["per_rank"]):
+                if "missing" in rank:
+                    print(f"  rank {r}: no report ({rank['missing']})")
+                    continue
+                print(f"  rank {r}: {rank['passed']} passed, {rank['failed']} failed, {rank['skipped']} skipped "
+                      f"({100 * rank['pass_rate']:.1f}% of those not skipped)")
+            failures = sorted({f for rank in row["per_rank"] for f in rank.get("failures", [])})
+            for f in failures:
+                print(f"    FAILED {f}")
+        if args.examples:
+            (work / "examples").mkdir()
+            for row in run_examples(args.horovod, work / "examples", counts[0], args.timeout):
+                results["examples"].append(row)
+                print(f"{row['example']} {row['flag']} on {row['ranks']} ranks: exit {row['exit']} "
+                      f"({row['seconds']} s) {' | '.join(row['last_lines'])[:200]}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    ok = all(s["exit"] == 0 for s in results["suites"]) and all(e["exit"] == 0 for e in results["examples"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
