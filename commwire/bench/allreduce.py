@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(e.g. fp8-e4m3,nvfp4)")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))  # one line and exit 2 on every rank, not a traceback per rank
     codecs = [c.strip() for c in args.codec.split(",") if c.strip()] if args.codec else [None]
     rows = [row for codec in codecs
             for row in run_allreduce_bench(sizes, repeats=args.repeats, budget_s=args.budget, codec=codec)]

@@ -31,13 +31,14 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "glm": "glm",
     "torch": "torch_ddp",
     "grouped": "grouped",
+    "agreement": "agreement",
     "faults": "faults",
     "gift": "gift",
     "project": "project",
     "suite": "suite",
 }
 # Benchmarks that launch their own MPI jobs: never run under mpiexec; -np N becomes their --np N.
-DRIVERS = {"suite", "faults"}
+DRIVERS = {"suite", "faults", "agreement"}
 # horovodrun waits 30 s; a rank counts as started once its Python runs, which on
 # a loaded 2-core CI machine (4 ranks, imports from a cold disk) can take 10-20 s.
 DEFAULT_START_TIMEOUT = 60.0
