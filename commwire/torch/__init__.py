@@ -6,8 +6,8 @@ Communicators (commwire.torch.basics), collectives run on their background
 lane (commwire.torch.mpi_ops), ``grouped_*`` travel fused, Compressors wrap
 the codec layer (commwire.torch.compression), and DistributedOptimizer fuses
 gradients into buckets that reduce while backward runs
-(commwire.torch.optimizer). commwire adds LoRDO, DiLoCo, GIFT compressions
-and error-feedback codecs.
+(commwire.torch.optimizer). commwire adds LoRDO, DiLoCo, GIFT compressions,
+error-feedback codecs, and a DDP communication hook (commwire.torch.ddp).
 
 Example:
     >>> import commwire.torch as hvd
@@ -59,6 +59,7 @@ from .basics import (
     stop_timeline,
 )
 from .compression import CodecCompressor, Compression, Compressor, FP16Compressor, NoneCompressor
+from .ddp import DDPHookState, ddp_hook, init_process_group
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .local_sgd import DiLoCo, LoRDO, LowRankAdam, state_nbytes
 from .mpi_ops import (
@@ -93,16 +94,17 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer
 
 __all__ = [
-    "Adasum", "Average", "CodecCompressor", "Compression", "Compressor", "DiLoCo", "DistributedOptimizer",
+    "Adasum", "Average", "CodecCompressor", "Compression", "Compressor", "DDPHookState", "DiLoCo",
+    "DistributedOptimizer",
     "FP16Compressor", "HorovodInternalError", "LoRDO", "LowRankAdam", "Max", "Min", "NoneCompressor",
     "ProcessSet", "Product", "Sum", "SyncBatchNorm",
     "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
-    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "ddp_hook", "gloo_built", "gloo_enabled",
     "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
-    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "grouped_reducescatter_async", "init", "init_process_group", "is_homogeneous", "is_initialized", "join", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
     "sparse_allreduce_async", "start_timeline", "state_nbytes", "stop_timeline", "synchronize",

@@ -1,0 +1,230 @@
+"""commwire's codecs for PyTorch DDP: a communication hook, and torch.distributed set up from MPI.
+
+``ddp_hook(codec)`` returns ``(state, hook)`` for ``ddp.register_comm_hook``.
+Each of DDP's gradient buckets then travels through commwire's compressed
+all-reduce (any codec spec: bf16, FP8, NVFP4, with error feedback on both
+phases) on commwire's communicator, on its background lane, so DDP keeps
+overlapping communication with backward: the hook returns a
+``torch.futures.Future`` that the lane completes.
+
+Error-feedback residuals are keyed by the bucket's index and its parameters'
+names, so they are found again every step; DDP rebuilds its buckets once after
+the first iteration (in the order gradients arrived), which starts the new
+buckets' residuals from zero once. ``state.state_dict()`` /
+``load_state_dict()`` and ``commwire.checkpoint`` save and restore them.
+
+``init_process_group(backend)`` starts torch.distributed inside an mpirun /
+``commwire run`` / srun job: rank and size from MPI, rank 0's address and a
+free port shared by broadcast, no variables to export.
+
+Example:
+    >>> import commwire.torch as hvd
+    >>> hvd.init(); hvd.init_process_group("gloo")
+    >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+    >>> state, hook = hvd.ddp_hook("ef+fp8-e4m3", model=model)
+    >>> ddp.register_comm_hook(state, hook)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from typing import Any
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.runtime import is_initialized, world
+
+__all__ = ["DDPHookState", "ddp_hook", "init_process_group"]
+
+
+def init_process_group(backend: str = "gloo", *, comm: Communicator | None = None, timeout: Any = None) -> None:
+    """Initialise torch.distributed over this MPI job's ranks (call on every rank).
+
+    Args:
+        backend: "gloo" (CPU) or "nccl" (one GPU per rank).
+        comm: the commwire communicator whose ranks form the group (default: the world).
+        timeout: passed to ``torch.distributed.init_process_group``.
+
+    The address is MASTER_ADDR if set (``commwire run --lab`` sets it), else
+    loopback when every rank is on one node, else rank 0's host address; the
+    port is MASTER_PORT if set, else a free one chosen on rank 0.
+    """
+    import torch.distributed as dist
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPUs)")
+    if not is_initialized() and comm is None:
+        raise RuntimeError("init_process_group needs commwire's MPI job: call commwire.init() (or hvd.init()) first, "
+                           "and launch with mpirun / commwire run / srun")
+    comm = comm if comm is not None else world()
+    if dist.is_initialized():
+        if dist.get_world_size() != comm.size or dist.get_rank() != comm.rank:
+            raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, but this is MPI rank {comm.rank} of {comm.size}")
+        return
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(comm.node().rank % torch.cuda.device_count())
+    if comm.rank == 0:
+        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if comm.node().size == comm.size else
+                                                  socket.gethostbyname(socket.gethostname()))
+        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else _free_port(host)
+        address = (host, port)
+    else:
+        address = None
+    host, port = comm.broadcast_object(address, 0, name="commwire.init_process_group")
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size,
+                            **kwargs)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class DDPHookState:
+    """What the commwire DDP hook keeps between steps: the codec (with its residuals) and statistics.
+
+    Args:
+        codec: a ``commwire.codecs`` spec or codec object ("none" for a plain all-reduce).
+        comm: communicator whose ranks must be DDP's (default: the world).
+        names: {parameter: name} for keys that survive bucket rebuilds (else shapes are used).
+
+    Pickles without its communicator (as PowerSGDState drops its process group).
+    """
+
+    def __init__(self, codec: Any = "none", comm: Communicator | None = None,
+                 names: dict[torch.Tensor, str] | None = None) -> None:
+        from ..codecs import get
+        from ..codecs.base import Codec
+
+        self.codec = None if codec in (None, "none") else (get(codec) if isinstance(codec, str) else codec)
+        if self.codec is not None and not isinstance(self.codec, Codec):
+            raise TypeError(f"codec must be a commwire codec spec or object, got {type(codec).__name__}")
+        if self.codec is not None:
+            from .gift import find_gift
+
+            if find_gift(self.codec) is not None:
+                raise ValueError(f"codec {self.codec.spec!r} needs layer input statistics, which a DDP hook cannot "
+                                 "collect; use DistributedOptimizer(compression=..., model=model) for GIFT, or a "
+                                 "codec without gift+")
+        self.spec = "none" if self.codec is None else self.codec.spec
+        self.comm = comm
+        self.names = {id(p): n for p, n in (names or {}).items()}
+        self._params = list(names or {})  # keeps the parameters alive, so their ids stay theirs
+        self.steps = 0
+        self.buckets = 0
+        self.bytes_sent = 0
+        self.input_bytes = 0
+        self._checked = False
+
+    def key(self, bucket: Any) -> str:
+        """Return the stable key of ``bucket``: its index and its parameters' names (or shapes)."""
+        params = bucket.parameters()
+        labels = [self.names.get(id(p)) or "x".join(map(str, p.shape)) for p in params]
+        return f"ddp.bucket{bucket.index()}.{len(labels)}.{zlib.crc32(chr(0).join(labels).encode()):08x}"
+
+    def _comm(self) -> Communicator:
+        import torch.distributed as dist
+
+        if self.comm is None:
+            if not is_initialized():
+                raise RuntimeError("the commwire DDP hook runs in commwire's MPI job: call commwire.init() (or "
+                                   "hvd.init()) before training, and launch with mpirun / commwire run / srun")
+            self.comm = world()
+        if not self._checked:
+            if not dist.is_initialized() or dist.get_world_size() != self.comm.size or \
+                    dist.get_rank() != self.comm.rank:
+                got = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else \
+                    "not initialised"
+                raise RuntimeError(f"DDP's process group ({got}) is not commwire's ranks (rank {self.comm.rank} of "
+                                   f"{self.comm.size}); start it with commwire.torch.init_process_group() and give "
+                                   "DDP the default process group")
+            self._checked = True
+        return self.comm
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the codec state (error-feedback residuals) and the step count."""
+        return {"spec": self.spec, "steps": self.steps,
+                "codec": self.codec.state_dict() if self.codec is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the codec spec must match)."""
+        if state.get("spec") != self.spec:
+            raise ValueError(f"saved DDP hook state is for codec {state.get('spec')!r}, this hook runs {self.spec!r}; "
+                             "build the hook with the same codec to resume")
+        self.steps = int(state.get("steps", 0))
+        if self.codec is not None and state.get("codec") is not None:
+            self.codec.load_state_dict(state["codec"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "comm": None, "_checked": False, "_params": [], "names": {}}
+
+
+def _reduce_bucket(comm: Communicator, state: DDPHookState, buffer: torch.Tensor, key: str,
+                   future: torch.futures.Future) -> None:
+    """Run on the lane: average ``buffer`` in place (compressed if the state has a codec), complete ``future``."""
+    try:
+        before = comm.counters.snapshot().get("compressed_allreduce", {}).get("bytes", 0)
+        if state.codec is None:
+            comm.allreduce(buffer, "avg", out=buffer, name=key)
+            sent = buffer.numel() * buffer.element_size()
+        else:
+            from ..codecs.collective import compressed_allreduce
+
+            compressed_allreduce(comm, buffer, "avg", codec=state.codec, out=buffer, name=key)
+            sent = comm.counters.snapshot().get("compressed_allreduce", {}).get("bytes", 0) - before
+        state.bytes_sent += int(sent)
+        state.input_bytes += buffer.numel() * buffer.element_size()
+        future.set_result(buffer)
+    except BaseException as exc:  # noqa: BLE001 - the error must reach DDP's wait() on the main thread
+        future.set_exception(exc)
+
+
+def _hook(state, bucket):  # type: ignore[no-untyped-def] # annotated below, with objects DDP checks
+    comm = state._comm()
+    buffer = bucket.buffer()
+    future: torch.futures.Future = torch.futures.Future()
+    state.buckets += 1
+    if bucket.is_last():
+        state.steps += 1
+    comm.submit(_reduce_bucket, state, buffer, state.key(bucket), future)
+    return future
+
+
+def _annotate() -> None:
+    # DDP's register_comm_hook checks the hook's annotations against dist.GradBucket and
+    # Future[Tensor] objects; this module's postponed annotations would be strings.
+    import torch.distributed as dist
+
+    _hook.__annotations__ = {"state": DDPHookState, "bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
+
+
+_annotate()
+
+
+def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None,
+             comm: Communicator | None = None) -> tuple[DDPHookState, Any]:
+    """Return ``(state, hook)`` for ``ddp.register_comm_hook(state, hook)``.
+
+    Args:
+        codec: a ``commwire.codecs`` spec ("none", "bf16", "fp8-e4m3", "nvfp4",
+            "ef+fp8-e4m3", …) or codec object; GIFT codecs need DistributedOptimizer.
+        model: the module DDP wraps (or the DDP module); its parameter names key
+            the error-feedback residuals.
+        comm: the commwire communicator (default: the world); it must hold DDP's ranks.
+
+    Example:
+        >>> state, hook = ddp_hook("ef+nvfp4", model=model)
+        >>> ddp.register_comm_hook(state, hook)
+    """
+    names = None
+    if model is not None:
+        module = getattr(model, "module", model)
+        names = {p: n for n, p in module.named_parameters()}
+    return DDPHookState(codec, comm=comm, names=names), _hook

@@ -1,0 +1,126 @@
+"""commwire's DDP communication hook and init_process_group — tier 2 (mpiexec -n 2 and 4, CPU, gloo).
+
+Run by tests/torch/test_ddp.py. References: plain DDP (its default all-reduce
+hook) on the same model, data and steps in the same job. With codec "none"
+the weights after 20 steps must equal plain DDP's (rtol 1e-6: DDP divides
+before summing, commwire after, so the last bits may differ); with a lossy
+codec the loss must fall as plain DDP's does, within the FP8 error bound.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commwire
+import commwire.torch as hvd
+
+hvd.init()
+hvd.init_process_group("gloo")
+R, P = hvd.rank(), hvd.size()
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * (step % 4) + R)  # four batches per rank, in turn
+    x = torch.randn(16, 12, generator=g)
+    return x, x[:, :1] * 0.5 - x[:, 1:2] ** 2
+
+
+def _train(codec: str | None, steps: int = 20, bucket_cap_mb: float = 25) -> tuple[torch.nn.Module, list[float], Any]:
+    """Train with plain DDP (codec None) or commwire's hook; return the model, the losses and the hook state."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    state = None
+    if codec is not None:
+        state, hook = hvd.ddp_hook(codec, model=model)
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return model, losses, state
+
+
+def test_init_process_group_matches_mpi():
+    assert dist.is_initialized() and dist.get_rank() == R and dist.get_world_size() == P
+    hvd.init_process_group("gloo")  # a second call is a no-op
+    t = torch.full((2,), float(R))
+    dist.all_reduce(t)
+    assert t.tolist() == [float(sum(range(P)))] * 2
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.001])  # one bucket, and one per parameter
+def test_codec_none_equals_plain_ddp(bucket_cap_mb):
+    plain, _, _ = _train(None, bucket_cap_mb=bucket_cap_mb)
+    ours, _, state = _train("none", bucket_cap_mb=bucket_cap_mb)
+    for a, b in zip(plain.parameters(), ours.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7)
+    assert state.steps == 20 and state.bytes_sent == state.input_bytes > 0
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8-e4m3", "ef+fp8-e4m3", "ef+nvfp4"])
+def test_lossy_codecs_train_like_plain_ddp(codec):
+    _, plain, _ = _train(None, steps=40)
+    _, ours, state = _train(codec, steps=40)
+    # the job's mean loss over one pass of the four batches, first and last
+    plain_t, ours_t = (hvd.allreduce(torch.tensor(v, dtype=torch.float64), op=hvd.Average) for v in (plain, ours))
+    first, last, plain_last = float(ours_t[:4].mean()), float(ours_t[-4:].mean()), float(plain_t[-4:].mean())
+    assert last < 0.7 * first, ours_t.tolist()  # it trains
+    assert abs(last - plain_last) < 0.05 * float(plain_t[:4].mean()), (last, plain_last)
+    ratio = state.bytes_sent / state.input_bytes
+    assert ratio < {"bf16": 0.51, "fp8-e4m3": 0.27, "ef+fp8-e4m3": 0.27, "ef+nvfp4": 0.2}[codec], ratio
+
+
+def test_error_feedback_state_is_keyed_by_names_and_checkpointed(tmp_path_factory):
+    _, _, state = _train("ef+fp8-e4m3", steps=4)
+    saved = state.state_dict()
+    keys = list(saved["codec"]["state"].keys()) if isinstance(saved["codec"], dict) and "state" in saved["codec"] \
+        else []
+    assert saved["steps"] == 4 and saved["codec"] is not None
+    assert all("ddp.bucket" in str(k) for k in keys)
+    other, _ = hvd.ddp_hook("ef+fp8-e4m3", model=_model())
+    other.load_state_dict(saved)
+    assert other.steps == 4
+    with pytest.raises(ValueError, match="same codec"):
+        hvd.ddp_hook("ef+nvfp4")[0].load_state_dict(saved)
+    path = hvd.broadcast_object(str(tmp_path_factory.mktemp("ddp") / "ckpt") if R == 0 else None, 0)
+    commwire.checkpoint.save(path, {"hook": state})
+    restored, _ = hvd.ddp_hook("ef+fp8-e4m3", model=_model())
+    commwire.checkpoint.load(path, {"hook": restored})
+    assert restored.steps == 4
+    assert pickle.loads(pickle.dumps(state)).comm is None  # pickles without its communicator
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="DistributedOptimizer"):
+        hvd.ddp_hook("gift+fp8-e4m3")
+    with pytest.raises(ValueError):
+        hvd.ddp_hook("fp9")
+    with pytest.raises(ValueError, match="backend"):
+        hvd.init_process_group("mpi-magic")
+
+
+def test_hook_on_a_group_that_is_not_commwires_ranks():
+    if P < 2:
+        return
+    sub = commwire.world().split(color=0 if R == 0 else 1)  # commwire communicator of a subset
+    state, hook = hvd.ddp_hook("none", comm=sub)
+    with pytest.raises(RuntimeError, match="not commwire's ranks"):
+        state._comm()
