@@ -31,6 +31,7 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "glm": "glm",
     "torch": "torch_ddp",
     "grouped": "grouped",
+    "ddp": "ddp",
     "agreement": "agreement",
     "faults": "faults",
     "gift": "gift",

@@ -28,13 +28,13 @@ import abc
 import dataclasses
 import zlib
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _arrays
 
-__all__ = ["Codec", "Wrapper", "Payload", "CodecState", "stream_id", "next_stream"]
+__all__ = ["Codec", "Wrapper", "Payload", "CodecState", "Span", "stream_id", "next_stream"]
 
 _STATE_VERSION = 1
 
@@ -60,6 +60,20 @@ class Payload:
     def nbytes(self) -> int:
         """Return the exact number of bytes that go on the wire."""
         return int(self.data.shape[0])
+
+
+class Span(NamedTuple):
+    """Key of a piece of a longer tensor: elements [start, start + len) of ``total`` keyed by ``base``.
+
+    Stateful stages (error feedback) keep one state for the whole tensor under
+    ``base`` and use the piece's slice of it, so the state survives a change of
+    how the tensor is cut (the compressed all-reduce's pipeline segments, which
+    its tuner varies on the first calls).
+    """
+
+    base: Hashable
+    start: int
+    total: int
 
 
 class CodecState:

@@ -19,9 +19,10 @@ hides behind transfer time. The segment size is tuned per tensor size on the
 first calls (``PEER_CHOICES``). Small tensors (below ``small_bytes``) take one
 Allgather of whole encoded tensors instead (one round trip, latency-bound).
 
-Error-feedback codecs keep one residual per (tensor name, segment, chunk) on
-the sending side and one per (name, segment) on the reducing side, so both
-quantisations of the two-phase scheme are compensated.
+Error-feedback codecs keep one residual as long as the tensor per tensor name
+on the sending side and one on the reducing side (each chunk uses its slice,
+``codecs.base.Span``), so both quantisations of the two-phase scheme are
+compensated, and the residuals survive the tuner's change of segment size.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ..comm.communicator import Communicator, _check_out, _describe, _device_of,
 from ..comm.handle import Handle
 from ..comm.handle import wait_requests
 from ..comm.lane import lane_for
-from .base import Codec
+from .base import Codec, Span
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_CHOICES", "TUNE_CALLS",
            "SMALL_BYTES", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes"]
@@ -350,7 +351,8 @@ class _Run:
             reqs = []
             for r in peers:  # this rank reduces its own chunk from the FP32 input: nothing to encode
                 o = int(seg.offsets[r])
-                self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])], (self.key, "w", i, r))
+                self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])],
+                             Span((self.key, "w"), seg.chunk(r).start, flat.size))
                 reqs += self._start([mpi.Isend(seg.send[o:o + int(seg.wire[r])], dest=r, tag=_tag(i, 0))])
             sends[i, 0] = reqs
             # Counted like a plain all-reduce's message: this rank's encoded tensor
@@ -372,7 +374,7 @@ class _Run:
             if self.average:
                 np.multiply(total, np.float32(1.0 / size), out=total)
             o = int(seg.offsets[rank])
-            self._encode(total, seg.gathered[o:o + w], (self.key, "s", i))
+            self._encode(total, seg.gathered[o:o + w], Span((self.key, "s"), seg.chunk(rank).start, flat.size))
             # The gather sends the chunk straight to every rank rather than by an
             # all-gather: MPICH's ring and recursive doubling forward chunks through
             # other ranks, each of which must be inside MPI to pass them on.

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import _arrays
-from .base import Codec, Wrapper
+from .base import Codec, Span, Wrapper
 
 __all__ = ["ErrorFeedback"]
 
@@ -29,6 +29,15 @@ def _like(value: Any, x: Any) -> Any:
     import torch
 
     return torch.as_tensor(value, device=x.device)
+
+
+def _zeros_like(x: Any, n: int) -> Any:
+    """Return ``n`` float32 zeros of the same array kind and device as ``x``."""
+    if isinstance(x, np.ndarray):
+        return np.zeros(n, dtype=np.float32)
+    import torch
+
+    return torch.zeros(n, dtype=torch.float32, device=x.device)
 
 
 def _zero_nonfinite(r: Any) -> Any:
@@ -62,22 +71,34 @@ class ErrorFeedback(Wrapper):
         return self.state.slot(key).get("residual") if key in self.state else None
 
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
-        slot = self.state.slot(key)
         n = int(x.shape[0])
-        residual = slot.get("residual")
-        if residual is None:
-            y = x.copy() if isinstance(x, np.ndarray) else x.clone()
+        if isinstance(key, Span):  # a piece of a longer tensor: its slice of the tensor's residual
+            slot = self.state.slot(key.base)
+            whole = slot.get("residual")
+            if whole is None or int(whole.shape[0]) != key.total:
+                whole = slot["residual"] = _zeros_like(x, key.total)
+            residual = whole[key.start:key.start + n]
         else:
-            if int(residual.shape[0]) != n:
+            slot = self.state.slot(key)
+            whole = None
+            residual = slot.get("residual")
+            if residual is not None and int(residual.shape[0]) != n:
                 raise ValueError(
                     f"error-feedback residual of key {key!r} has {int(residual.shape[0])} elements, the input {n}; "
                     "pass a distinct key per tensor or bucket (or call codec.state.clear() after rebuilding buckets)"
                 )
+        if residual is None:
+            y = x.copy() if isinstance(x, np.ndarray) else x.clone()
+        else:
             y = x + _like(residual, x)
         self.codec._encode(y, out, key)
         decoded = self.codec._decode(out, n, _arrays.empty_f32(x, n))
         y -= decoded
-        slot["residual"] = _zero_nonfinite(y)
+        y = _zero_nonfinite(y)
+        if whole is not None:
+            residual[...] = _like(y, residual)
+        else:
+            slot["residual"] = y
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         return self.codec._decode(buf, n, out)

@@ -349,9 +349,24 @@ def _report_and_abort(text: str, status: str = "raised") -> None:
     if MPI.Is_initialized() and not MPI.Is_finalized():
         who, total = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     sys.stdout.flush()
-    sys.stderr.write(f"commwire: rank {who} of {total} raised an unhandled exception; aborting the job\n{text}")
-    sys.stderr.flush()
+    stream = _report_stream()
+    stream.write(f"commwire: rank {who} of {total} raised an unhandled exception; aborting the job\n{text}")
+    stream.flush()
     abort_world(1)
+
+
+def _report_stream() -> Any:
+    """Return a stream that reaches this rank's stderr.
+
+    Another excepthook may call ours with sys.stderr pointed at a buffer it prints
+    afterwards (torch.distributed's prefixes each line with the rank); we abort before
+    it can, so the report goes to a stream with a file descriptor behind it.
+    """
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
 
 
 def abort_world(code: int, grace: float = 5.0) -> None:

@@ -169,3 +169,22 @@ def test_segment_tuner_decides_the_same_size_on_every_rank():
     tuned = compressed_allreduce(COMM, x, "sum", codec="nvfp4", name="tuned-after", small_bytes=0)
     fixed = compressed_allreduce(COMM, x, "sum", codec="nvfp4", name="fixed", small_bytes=0, segment_bytes=chosen)
     assert np.array_equal(tuned, fixed)
+
+
+def test_error_feedback_survives_the_tuner_changing_segments():
+    # The tuner tries several segment sizes on the first calls of a size; the residuals
+    # (one per tensor and side, sliced per chunk) must carry across those changes.
+    from commwire.codecs.collective import TUNE_CALLS
+
+    n = 200_000  # pipelined (above SMALL_BYTES), several segment candidates
+    rng = np.random.default_rng(COMM.rank)
+    x = rng.standard_normal(n).astype(np.float32)
+    want = COMM.allreduce(x.astype(np.float64))
+    codec = get("ef+fp8-e4m3")
+    total = np.zeros(n)
+    calls = TUNE_CALLS + 4
+    for _ in range(calls):
+        total += compressed_allreduce(COMM, x, codec=codec, name="ef-tuned")
+    one_step = np.linalg.norm(compressed_allreduce(COMM, x, codec="fp8-e4m3", name="plain") - want)
+    # with error feedback the errors cancel over calls: the mean is far closer than one step
+    assert np.linalg.norm(total / calls - want) < 0.25 * one_step

@@ -1,0 +1,214 @@
+"""Benchmark DDP's communication hooks against commwire's, side by side in one job.
+
+Every configuration trains the same small transformer (commwire.bench.lm) on
+the same batches for the same steps, with torch DistributedDataParallel over
+gloo; only the communication hook differs:
+
+- ``ddp``: DDP's built-in all-reduce (FP32);
+- ``ddp bf16``: DDP's own ``bf16_compress_hook`` (its implementation, called under another name:
+  DDP refuses that name without NCCL, though gloo reduces bfloat16 on the CPU);
+- ``ddp powersgd r1`` / ``r4``: DDP's PowerSGD hook at its default rank (1) and
+  at rank 4 (low-rank after 2 warm-up steps, with its error feedback);
+- ``commwire <codec>``: ``commwire.torch.ddp_hook(codec)`` (none, bf16, FP8,
+  NVFP4, error feedback).
+
+Steps are timed in interleaved rounds (each round runs every configuration),
+the slowest rank's median counts. Bytes per step are measured where they are
+sent: commwire's hook counts its own wire bytes; torch's hooks are counted by
+wrapping ``torch.distributed.all_reduce``, which they call; the built-in path,
+which does not go through Python, sends every gradient in FP32. The loss is the
+validation loss after the run.
+
+Run: ``commwire bench ddp -np 4`` or ``commwire run --lab -np 4 python -m commwire.bench.ddp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ._report import emit
+
+__all__ = ["run_ddp_bench", "format_table", "main", "CONFIGS"]
+
+CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
+           "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4")
+
+
+class _CountingAllreduce:
+    """Wrap torch.distributed.all_reduce to count the bytes torch's hooks hand it."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.original, self.bytes = dist, dist.all_reduce, 0
+
+    def __enter__(self) -> _CountingAllreduce:
+        def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.bytes += tensor.numel() * tensor.element_size()
+            return self.original(tensor, *args, **kwargs)
+
+        self.dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.dist.all_reduce = self.original
+
+
+def _torch_bf16_hook(process_group, bucket):  # type: ignore[no-untyped-def] # annotated below
+    """DDP's own bf16_compress_hook: the same torch implementation, under another name.
+
+    DDP refuses a hook *named* bf16_compress_hook unless torch has CUDA and NCCL,
+    although gloo reduces bfloat16 on the CPU; calling the function it wraps
+    (default_hooks._compress_hook with torch.bfloat16) runs the identical code.
+    """
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _annotate_bf16() -> None:
+    import torch
+    import torch.distributed as dist
+
+    _torch_bf16_hook.__annotations__ = {"process_group": Any, "bucket": dist.GradBucket,
+                                        "return": torch.futures.Future[torch.Tensor]}
+
+
+def _register(label: str, ddp: Any, model: Any) -> Any:
+    """Register the hook of ``label`` on ``ddp``; return commwire's hook state (or None)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    import commwire.torch as hvd
+
+    _annotate_bf16()
+    if label == "ddp":
+        return None
+    if label == "ddp bf16":
+        ddp.register_comm_hook(None, _torch_bf16_hook)
+        return None
+    if label.startswith("ddp powersgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(label[-1]),
+                                            start_powerSGD_iter=2, min_compression_rate=0.5)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None
+    state, hook = hvd.ddp_hook(label.split(" ", 1)[1], model=model)
+    ddp.register_comm_hook(state, hook)
+    return state
+
+
+def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, layers: int = 3, batch: int = 8,
+                  context: int = 64, steps: int = 10, rounds: int = 3, lr: float = 3e-3, threads: int = 1
+                  ) -> list[dict[str, Any]]:
+    """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import commwire.torch as hvd
+
+    from ..codecs.collective import TUNE_CALLS
+    from .lm import Corpus, LMConfig, evaluate, make_lm
+
+    torch.set_num_threads(threads)
+    hvd.init()
+    hvd.init_process_group("gloo")
+    from ..comm.runtime import world
+
+    comm = world()
+    corpus = Corpus.load()
+    cfg = LMConfig(d_model=d_model, layers=layers, context=context, heads=4)
+    gen = torch.Generator().manual_seed(comm.rank)
+    data = [corpus.batch("train", batch=batch, context=context, generator=gen) for _ in range(8)]
+    runners: list[tuple[str, Callable[[int], None], Any, Any, dict[str, int]]] = []
+    for label in configs:
+        model = make_lm(cfg, seed=0)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+        state = _register(label, ddp, model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+        counted = {"bytes": 0}
+
+        def step(i: int, ddp: Any = ddp, opt: Any = opt, counted: dict[str, int] = counted,
+                 torch_hook: bool = label.startswith("ddp ")) -> None:
+            x, y = data[i % len(data)]
+            opt.zero_grad(set_to_none=True)
+            logits = ddp(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            if torch_hook:
+                with _CountingAllreduce() as c:
+                    loss.backward()
+                counted["bytes"] += c.bytes
+            else:
+                loss.backward()
+            opt.step()
+
+        runners.append((label, step, state, model, counted))
+    # Warm-up: DDP's bucket rebuild, PowerSGD's start, commwire's segment tuner. Every configuration
+    # takes the same number of steps, so the losses compare like with like.
+    for label, step, *_ in runners:
+        for i in range(3 + TUNE_CALLS):
+            step(i)
+    times: dict[str, list[float]] = {r[0]: [] for r in runners}
+    sent: dict[str, int] = {r[0]: 0 for r in runners}
+    for r in range(rounds):
+        for label, step, state, _, counted in runners:
+            comm.barrier()
+            before = state.bytes_sent if state is not None else counted["bytes"]
+            for i in range(steps):
+                t0 = time.perf_counter()
+                step(r * steps + i)
+                times[label].append(time.perf_counter() - t0)
+            sent[label] += (state.bytes_sent if state is not None else counted["bytes"]) - before
+    medians = comm.allgather_object({label: float(np.median(t)) for label, t in times.items()})
+    fp32_bytes = sum(p.numel() * p.element_size() for p in runners[0][3].parameters())
+    base = max(m[runners[0][0]] for m in medians)
+    rows = []
+    for label, _, state, model, _ in runners:
+        median = max(m[label] for m in medians)
+        per_step = fp32_bytes if label == "ddp" else sent[label] / (rounds * steps)
+        loss = comm.allreduce(np.array([evaluate(model, corpus, batches=4, batch=16)]), "avg")[0]
+        rows.append({"config": label, "ranks": comm.size, "params": sum(p.numel() for p in model.parameters()),
+                     "step_ms": median * 1e3, "ratio_vs_ddp": median / base, "MB_per_step": per_step / 1e6,
+                     "bytes_vs_fp32": per_step / fp32_bytes, "val_loss": float(loss)})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Render the rows as a Markdown table."""
+    lines = [f"{rows[0]['ranks']} ranks, {rows[0]['params'] / 1e6:.2f} M parameters; bytes measured per rank and step",
+             "", "| hook | step ms | vs DDP | MB/step | bytes vs FP32 | validation loss |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['step_ms']:.1f} | {r['ratio_vs_ddp']:.2f}× | {r['MB_per_step']:.2f} | "
+                     f"{r['bytes_vs_fp32']:.3f} | {r['val_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the benchmark, print the table on rank 0."""
+    parser = argparse.ArgumentParser(prog="commwire bench ddp", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    parser.add_argument("--d-model", type=int, default=192, help="transformer width (default 192)")
+    parser.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not configs:
+        parser.error(f"--configs {bad or args.configs!r}: choose from {', '.join(CONFIGS)}")
+    if min(args.d_model, args.layers, args.batch, args.steps, args.rounds) < 1 or args.d_model % 4:
+        parser.error("--d-model (a multiple of 4), --layers, --batch, --steps and --rounds must be >= 1")
+    rows = run_ddp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
+                         steps=args.steps, rounds=args.rounds)
+    from ..comm.runtime import world
+
+    emit(format_table(rows), rows, args.json, rank=world().rank)
+
+
+if __name__ == "__main__":
+    main()
