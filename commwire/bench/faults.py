@@ -7,20 +7,33 @@ Scenarios (each a real ``commwire run`` job of real MPI processes):
 - ``stall``: one rank sleeps while the others wait in an all-reduce (watchdog);
 - ``linkcut``: on the emulated cluster (``commwire lab up``), one host's link is
   cut while the job runs; the watchdog must name the rank(s) on that host.
+- ``resume-ef`` / ``resume-lordo``: a small torch model trains for 24 steps with
+  ``DistributedOptimizer(compression="ef+fp8-e4m3")`` (resp. ``LoRDO`` with an
+  FP8 wire), saving a ``commwire.checkpoint`` every 4 steps; one rank SIGKILLs
+  itself at a random step after the first checkpoint; the job is started again
+  with ``commwire run``, resumes from the last checkpoint and trains to the end.
+  Each step's data depends only on (step, rank), so the final parameters and
+  the whole optimizer state (moments, error-feedback residuals, schedule state)
+  must hash bit-identically, on every rank, to an uninterrupted run's.
 
 The failing rank is drawn at random per repetition. A repetition passes when the
-job exits non-zero within its deadline (timeout + 10 s), its report names the
-failing rank, and no process of the job is left afterwards.
+job exits non-zero within its deadline (timeout + 10 s; a resume job: a watchdog
+of at least 30 s plus 90 s for the imports), its report names the failing rank,
+and no process of the job is left afterwards; a resume scenario also needs the
+restarted job to finish from a checkpoint with the reference hashes.
 
-Run: ``commwire bench faults --repeats 20`` (add ``--scenarios linkcut`` with a lab up).
+Run: ``commwire bench faults --repeats 20`` (add ``--scenarios linkcut`` with a lab up,
+``--scenarios resume-ef,resume-lordo`` for the crash-and-resume runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,7 +66,79 @@ for step in range(100000):
         time.sleep(0.001)
 '''
 
-SCENARIOS = ("kill9", "raise", "stall", "linkcut")
+_RESUME_SCRIPT = r'''
+import hashlib, json, os, signal, sys
+import numpy as np
+import torch
+import commwire as cw
+import commwire.torch as hvd
+kind, ckdir, victim, kill_at, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+STEPS, EVERY = int(os.environ["RESUME_STEPS"]), int(os.environ["RESUME_EVERY"])
+torch.set_num_threads(1)  # one thread: the same reduction order in every run
+cw.init(timeout=float(os.environ.get("FAULT_TIMEOUT", "3")))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+if kind == "resume-ef":
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                   named_parameters=model.named_parameters(), compression="ef+fp8-e4m3")
+else:
+    opt = hvd.LoRDO(model.named_parameters(), lr=1e-2, rank=4, sync_every=3, codec="fp8-e4m3")
+objs = {"model": model, "opt": opt}
+latest, start = os.path.join(ckdir, "latest"), 0
+if os.path.exists(latest):
+    with open(latest) as fh:
+        start = int(fh.read())
+    cw.checkpoint.load(os.path.join(ckdir, f"step{start}"), objs)
+for step in range(start, STEPS):
+    if step == kill_at and cw.rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    g = torch.Generator().manual_seed(1000 * step + cw.rank())  # a step's data depends on (step, rank) only
+    x = torch.randn(16, 8, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin()).backward()
+    opt.step()
+    if (step + 1) % EVERY == 0:
+        cw.checkpoint.save(os.path.join(ckdir, f"step{step + 1}"), objs)
+        if cw.rank() == 0:  # save() returned: every rank's file is in place
+            with open(latest + ".tmp", "w") as fh:
+                fh.write(str(step + 1))
+            os.replace(latest + ".tmp", latest)
+
+def walk(h, x):
+    if isinstance(x, torch.Tensor):
+        h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+        h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, np.ndarray):
+        h.update(f"A{x.dtype.name}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            h.update(repr(k).encode())
+            walk(h, v)
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{type(x).__name__}{len(x)}".encode())
+        for v in x:
+            walk(h, v)
+    else:
+        h.update(repr(x).encode())
+
+digests = {}
+for name, obj in objs.items():
+    h = hashlib.sha256()
+    walk(h, obj.state_dict())
+    digests[name] = h.hexdigest()
+everyone = cw.allgather_object(digests)
+if cw.rank() == 0:
+    with open(out, "w") as fh:
+        json.dump({"start": start, "digests": everyone}, fh)
+'''
+
+_RESUME = {"resume-ef", "resume-lordo"}
+_STEPS, _EVERY = 24, 4  # steps of a resume job and checkpoint interval
+_RESUME_WATCHDOG = 30.0  # at least: the victim's death is reported by `commwire run`, not by the watchdog,
+# and a short one would only trip on ranks still importing torch on a loaded machine
+_IMPORT_SLACK = 90.0  # extra seconds per resume job: importing torch and commwire on every rank
+
+SCENARIOS = ("kill9", "raise", "stall", "linkcut", "resume-ef", "resume-lordo")
 _EXPECT = {
     "kill9": r"rank {r} \(pid \d+ on [^)]+\): died first",
     "raise": r"rank {r} \(pid \d+ on [^)]+\): raised RuntimeError: injected failure on rank {r}",
@@ -116,6 +201,82 @@ def _one(scenario: str, np_: int, victim: int, timeout: float, workdir: str) -> 
             "ok": not hung and proc.returncode != 0 and named and not left, "stderr_tail": err[-1500:]}
 
 
+def _run_job(cmd: list[str], env: dict[str, str], deadline: float) -> tuple[int | None, str, bool, float]:
+    """Run one job; return (exit code, stderr, hung, seconds), killing it at the deadline."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, err = proc.communicate(timeout=deadline)
+        hung = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        hung = True
+    return proc.returncode, err, hung, time.monotonic() - start
+
+
+def _resume_job(scenario: str, np_: int, ckdir: str, victim: int, kill_at: int, timeout: float,
+                workdir: str, token: str) -> tuple[int | None, str, bool, float, dict[str, Any] | None]:
+    """Run the training job once (``kill_at`` < 0: no kill); return exit, stderr, hung, seconds, its result."""
+    script = os.path.join(workdir, f"{token}.py")
+    out = os.path.join(workdir, f"{token}-{time.monotonic_ns()}.json")
+    with open(script, "w", encoding="utf-8") as fh:
+        fh.write(_RESUME_SCRIPT)
+    cmd = [sys.executable, "-m", "commwire", "run", "-np", str(np_), sys.executable, script, scenario, ckdir,
+           str(victim), str(kill_at), out]
+    env = {**os.environ, "FAULT_TIMEOUT": str(max(timeout, _RESUME_WATCHDOG)), "RESUME_STEPS": str(_STEPS),
+           "RESUME_EVERY": str(_EVERY)}
+    code, err, hung, seconds = _run_job(cmd, env, _deadline(scenario, timeout))
+    result = None
+    if os.path.exists(out):
+        with open(out, encoding="utf-8") as fh:
+            result = json.load(fh)
+        os.remove(out)
+    return code, err, hung, seconds, result
+
+
+def _deadline(scenario: str, timeout: float) -> float:
+    """Return the seconds one job of ``scenario`` may take."""
+    if scenario in _RESUME:
+        return max(timeout, _RESUME_WATCHDOG) + _IMPORT_SLACK
+    return timeout + 10
+
+
+def _reference(scenario: str, np_: int, timeout: float, workdir: str) -> list[dict[str, str]]:
+    """Train without a fault; return every rank's state hashes."""
+    token = f"cwfault-{os.getpid()}-{time.monotonic_ns()}"
+    ckdir = tempfile.mkdtemp(prefix="ref-", dir=workdir)
+    code, err, hung, _, result = _resume_job(scenario, np_, ckdir, -1, -1, timeout, workdir, token)
+    os.remove(os.path.join(workdir, f"{token}.py"))
+    shutil.rmtree(ckdir, ignore_errors=True)
+    if code != 0 or result is None:
+        raise RuntimeError(f"the uninterrupted {scenario} run failed (exit {code}, hung {hung}):\n{err[-3000:]}")
+    return result["digests"]
+
+
+def _one_resume(scenario: str, np_: int, victim: int, kill_at: int, timeout: float, workdir: str,
+                reference: list[dict[str, str]]) -> dict[str, Any]:
+    """Kill ``victim`` at step ``kill_at``, restart from the last checkpoint, compare with ``reference``."""
+    token = f"cwfault-{os.getpid()}-{time.monotonic_ns()}"
+    ckdir = tempfile.mkdtemp(prefix="ckpt-", dir=workdir)
+    code, err, hung, seconds, _ = _resume_job(scenario, np_, ckdir, victim, kill_at, timeout, workdir, token)
+    named = re.search(_EXPECT["kill9"].format(r=victim), err) is not None
+    had_checkpoint = os.path.exists(os.path.join(ckdir, "latest"))
+    code2, err2, hung2, seconds2, result = _resume_job(scenario, np_, ckdir, victim, -1, timeout, workdir, token)
+    time.sleep(1.0)  # a process that is gone a moment after the job is no orphan
+    left = _leftovers(token)
+    os.remove(os.path.join(workdir, f"{token}.py"))
+    shutil.rmtree(ckdir, ignore_errors=True)
+    resumed_from = result["start"] if result else None
+    identical = result is not None and result["digests"] == reference
+    ok = (not hung and not hung2 and code != 0 and named and had_checkpoint and code2 == 0
+          and bool(resumed_from) and identical and not left)
+    return {"scenario": scenario, "victim": victim, "kill_step": kill_at, "resumed_from": resumed_from,
+            "seconds": max(seconds, seconds2), "hung": hung or hung2, "exit": code, "resume_exit": code2,
+            "named": named, "orphans": len(left), "identical": identical, "ok": ok,
+            "stderr_tail": (err[-700:] + "\n--- resumed job ---\n" + err2[-800:])}
+
+
 def _cumulative(counts: list[int]) -> list[int]:
     total, out = 0, []
     for c in counts:
@@ -134,20 +295,28 @@ def run_fault_bench(scenarios: list[str], *, repeats: int = 20, np_: int = 4, ti
     records = []
     with tempfile.TemporaryDirectory(prefix="commwire-faults-") as workdir:
         for scenario in scenarios:
+            reference = _reference(scenario, np_, timeout, workdir) if scenario in _RESUME else None
             for _ in range(repeats):
-                records.append(_one(scenario, np_, rng.randrange(np_), timeout, workdir))
+                victim = rng.randrange(np_)
+                if reference is None:
+                    records.append(_one(scenario, np_, victim, timeout, workdir))
+                else:  # killed at a step after the first checkpoint, never after the last step
+                    records.append(_one_resume(scenario, np_, victim, rng.randrange(_EVERY, _STEPS), timeout,
+                                               workdir, reference))
     return records
 
 
 def format_table(records: list[dict[str, Any]], timeout: float) -> str:
     """Summarise records per scenario as a Markdown table."""
-    lines = ["| scenario | runs | passed | hangs | rank named | orphans | max seconds (deadline) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| scenario | runs | passed | hangs | rank named | orphans | max seconds (deadline) | "
+             "resumed bit-identical |",
+             "|---|---|---|---|---|---|---|---|"]
     for scenario in dict.fromkeys(r["scenario"] for r in records):
         rs = [r for r in records if r["scenario"] == scenario]
+        same = f"{sum(r['identical'] for r in rs)}/{len(rs)}" if scenario in _RESUME else "-"
         lines.append(f"| {scenario} | {len(rs)} | {sum(r['ok'] for r in rs)} | {sum(r['hung'] for r in rs)} | "
                      f"{sum(r['named'] for r in rs)}/{len(rs)} | {sum(r['orphans'] for r in rs)} | "
-                     f"{max(r['seconds'] for r in rs):.1f} ({timeout + 10:g}) |")
+                     f"{max(r['seconds'] for r in rs):.1f} ({_deadline(scenario, timeout):g}) | {same} |")
     return "\n".join(lines)
 
 
