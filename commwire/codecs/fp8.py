@@ -28,6 +28,8 @@ from .formats import get_format
 
 __all__ = ["Fp8Codec", "Fp8Config"]
 
+_MAX_BLOCK = 2**31 - 1
+
 SCALE_FLOOR = 2.0**-126
 """Smallest scale: the smallest normal float32, so 1/scale stays finite."""
 
@@ -48,8 +50,9 @@ class Fp8Config:
     def __post_init__(self) -> None:
         if self.format not in ("e4m3", "e5m2"):
             raise ValueError(f"Fp8Config.format={self.format!r}; use 'e4m3' or 'e5m2'")
-        if not isinstance(self.block, int) or self.block < 0:
-            raise ValueError(f"Fp8Config.block={self.block!r}; use 0 (per tensor) or a positive block size")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or not 0 <= self.block <= _MAX_BLOCK:
+            raise ValueError(f"Fp8Config.block={self.block!r}; use 0 (per tensor) or a block size from 1 to "
+                             f"{_MAX_BLOCK} (2**31 - 1: the kernels index blocks with 32-bit integers)")
         if self.rounding not in ("rne", "sr"):
             raise ValueError(f"Fp8Config.rounding={self.rounding!r}; use 'rne' or 'sr'")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:

@@ -85,8 +85,12 @@ def _parse_stage(text: str, spec: str) -> tuple[str, dict[str, Any]]:
         elif "=" in raw:
             key, _, value_text = raw.partition("=")
             key, value_text = key.strip(), value_text.strip()
-            if not value_text.lstrip("-").isdigit():
+            digits = value_text[1:] if value_text.startswith("-") else value_text
+            if not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"option {raw!r} in codec spec {spec!r} needs an integer value, e.g. block=128")
+            if key == "config":  # the factories' config= takes a config object, never a spec value
+                raise ValueError(f"option 'config' in codec spec {spec!r} is not a spec option; give the "
+                                 "options themselves, e.g. 'fp8-e4m3:block=128'")
             value = int(value_text)
         else:
             raise ValueError(f"unknown flag {raw!r} in codec spec {spec!r}; flags: {', '.join(_FLAGS)}; or key=value")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import sys
 from typing import Any
 
 import numpy as np
@@ -11,10 +12,69 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.validation import check_is_fitted
 
 from . import _losses
-from .data import ColumnBlocks, from_array
-from .solver import SolverConfig, margins, objective, solve
+from .data import ColumnBlocks, column_ranges, from_array
+from .solver import SolverConfig, check_targets, margins, objective, solve
 
 __all__ = ["GLM"]
+
+SPARSE_DENSE_BYTES = 1 << 30
+"""Largest dense column block (bytes of float64, per rank) a scipy sparse X is densified to.
+
+The solvers work on dense column blocks, so a sparse X is converted block by
+block (each rank densifies only its own columns); above this size fit and
+predict raise instead of allocating it."""
+
+
+def _is_sparse(x: Any) -> bool:
+    # A scipy sparse input means scipy is already imported: no import here otherwise.
+    sparse = sys.modules.get("scipy.sparse")
+    return sparse is not None and sparse.issparse(x)
+
+
+def _labels(y: Any) -> np.ndarray:
+    """Return y as a 1-D numpy array, or raise naming its shape and the fix."""
+    if _is_sparse(y):
+        raise ValueError(f"y is a scipy sparse matrix of shape {y.shape}; pass a dense 1-D array, "
+                         f"e.g. y.toarray().ravel()")
+    y = np.asarray(y.get() if hasattr(y, "get") else y)
+    if y.ndim != 1:
+        hint = "; pass y.ravel() for a column vector" if y.ndim == 2 and 1 in y.shape else ""
+        raise ValueError(f"y must be a 1-D array of labels, got shape {y.shape}{hint}")
+    return y
+
+
+def _sparse_block(X: Any, comm: Any) -> ColumnBlocks:
+    """Return this rank's columns of a scipy sparse X as a dense block (labels to be set by the caller)."""
+    m, n = X.shape
+    widest = m * -(-n // comm.size) * 8  # the same on every rank: all raise or none
+    if widest > SPARSE_DENSE_BYTES:
+        raise ValueError(
+            f"X is a scipy sparse matrix of shape {X.shape}; GLM densifies each rank's column block, and "
+            f"{m} rows x {-(-n // comm.size)} columns take {widest / 2**30:.3g} GiB, over the "
+            f"{SPARSE_DENSE_BYTES / 2**30:g} GiB limit (commwire.glm._estimator.SPARSE_DENSE_BYTES); use more ranks, "
+            f"fewer features, or per-rank files (commwire.glm.load_svmlight with '{{rank}}' in the path)"
+        )
+    lo, hi = column_ranges(n, comm.size)[comm.rank]
+    return ColumnBlocks(X=X.tocsc()[:, lo:hi].toarray(), y=np.zeros(m), start=lo, n_features=int(n))
+
+
+def _features(X: Any, n_features: int | None = None) -> Any:
+    """Validate a dense X (samples x features) held by every rank; return it as an array."""
+    if not hasattr(X, "__cuda_array_interface__"):
+        X = np.asarray(X)
+    if getattr(X, "ndim", None) != 2:
+        shape = getattr(X, "shape", None)
+        hint = ("; reshape a single sample with X.reshape(1, -1)" if n_features is not None
+                else "; reshape a single feature with X.reshape(-1, 1)")
+        raise ValueError(f"X must be a 2-D array (samples x features), got shape {shape}{hint if shape else ''}")
+    if np.dtype(X.dtype).kind not in "biuf":
+        raise ValueError(f"X has dtype {X.dtype}; GLM needs real numbers: convert with X.astype(float) or encode "
+                         f"categorical columns (e.g. sklearn.preprocessing.OneHotEncoder)")
+    if n_features is not None and X.shape[1] != n_features:
+        raise ValueError(f"X has shape {X.shape}; {n_features} features are expected, as in fit")
+    if n_features is None and X.shape[1] == 0:
+        raise ValueError(f"X has shape {X.shape}: no features; GLM needs at least one column")
+    return X
 
 
 def _is_logistic(est: GLM) -> bool:
@@ -97,13 +157,21 @@ class GLM(BaseEstimator):
         if isinstance(X, ColumnBlocks):
             if y is None:
                 return X
-            return ColumnBlocks(X=X.X, y=y, start=X.start, n_features=X.n_features)
+            return ColumnBlocks(X=X.X, y=_labels(y), start=X.start, n_features=X.n_features)
         if y is None:
             raise ValueError("y is None; pass the labels, or a ColumnBlocks holding them")
-        return from_array(X, y, comm=comm)
+        y = _labels(y)
+        if _is_sparse(X):
+            block = _sparse_block(X, comm)
+            return ColumnBlocks(X=block.X, y=y, start=block.start, n_features=block.n_features)
+        return from_array(_features(X), y, comm=comm)
 
     def fit(self, X: Any, y: Any = None, *, comm: Any = None) -> GLM:
-        """Fit on the full X/y (every rank) or on this rank's ColumnBlocks; return self."""
+        """Fit on the full X/y (every rank) or on this rank's ColumnBlocks; return self.
+
+        X may be a scipy sparse matrix: each rank densifies its own column block, up to
+        ``SPARSE_DENSE_BYTES`` (1 GiB) per rank, and raises above that.
+        """
         if comm is None:
             import commwire as cw
 
@@ -112,7 +180,7 @@ class GLM(BaseEstimator):
         code = _losses.loss_code(self.loss)
         labels = np.asarray(blocks.y.get() if hasattr(blocks.y, "get") else blocks.y)
         if code == _losses.LOGISTIC:
-            _losses.check_labels(code, labels)
+            check_targets(code, labels)
             self.classes_ = np.unique(labels)
             if self.classes_.size == 1:
                 raise ValueError(f"y holds the single class {self.classes_[0].item()!r}; logistic regression needs two")
@@ -153,10 +221,17 @@ class GLM(BaseEstimator):
     def _local(self, X: Any) -> tuple[ColumnBlocks, np.ndarray]:
         check_is_fitted(self)
         comm = self._communicator()
-        if not isinstance(X, ColumnBlocks):
-            X = np.asarray(X)
-            if X.ndim != 2 or X.shape[1] != self.n_features_in_:
-                raise ValueError(f"X has shape {X.shape}; {self.n_features_in_} features are expected")
+        if _is_sparse(X):
+            if X.shape[1] != self.n_features_in_:
+                raise ValueError(f"X has shape {X.shape}; {self.n_features_in_} features are expected, as in fit")
+            X = _sparse_block(X, comm)
+        elif not isinstance(X, ColumnBlocks):
+            X = _features(X, self.n_features_in_)
+            bad = ~np.isfinite(X)
+            if bad.any():  # every rank holds the same X: every rank raises alike
+                row, col = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                raise ValueError(f"X holds NaN/Inf: row {row}, column {col} (value {float(X[row, col])!r}); remove or "
+                                 f"impute non-finite values first (sklearn.impute.SimpleImputer)")
             X = from_array(X, np.zeros(X.shape[0]), comm=comm)
         coef = np.ravel(self.coef_)[X.start:X.start + X.X.shape[1]]
         return X, coef
@@ -197,6 +272,6 @@ class GLM(BaseEstimator):
     def objective(self, X: Any, y: Any) -> float:
         """Return the training objective mean loss + l2/2 ||coef||^2 at the fitted weights."""
         blocks, coef = self._local(X)
-        blocks = ColumnBlocks(X=blocks.X, y=y, start=blocks.start, n_features=blocks.n_features)
+        blocks = ColumnBlocks(X=blocks.X, y=_labels(y), start=blocks.start, n_features=blocks.n_features)
         return objective(blocks, coef, float(np.ravel(self.intercept_)[0]), loss=self.loss, l2=self.l2,
                          comm=self._communicator())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from typing import Any
 
@@ -72,18 +73,19 @@ class SolverConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.max_steps is not None and (not isinstance(self.max_steps, (int, np.integer)) or self.max_steps < 1):
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(
+                self.max_steps, (int, np.integer)) or self.max_steps < 1):
             raise ValueError(f"max_steps={self.max_steps!r} must be a positive integer or None")
-        if not (isinstance(self.lr, (int, float, np.floating)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr={self.lr!r} must be a positive finite number")
-        if not (isinstance(self.l2, (int, float, np.floating)) and math.isfinite(self.l2) and self.l2 >= 0):
-            raise ValueError(f"l2={self.l2!r} must be a non-negative finite number")
+        if not (_is_real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr!r} must be a positive finite number, e.g. lr=0.1")
+        if not (_is_real(self.l2) and math.isfinite(self.l2) and self.l2 >= 0):
+            raise ValueError(f"l2={self.l2!r} must be a non-negative finite number, e.g. l2=1e-4 (0: no penalty)")
         if self.lr * self.l2 >= 1:
             raise ValueError(
                 f"lr*l2={self.lr * self.l2:g} >= 1 flips the sign of the weights every step; lower lr or l2"
             )
-        if self.tol is not None and not (math.isfinite(self.tol) and self.tol >= 0):
-            raise ValueError(f"tol={self.tol!r} must be a non-negative number or None")
+        if self.tol is not None and not (_is_real(self.tol) and math.isfinite(self.tol) and self.tol >= 0):
+            raise ValueError(f"tol={self.tol!r} must be a non-negative number (e.g. 1e-4) or None (no early stop)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer")
         if self.kernels not in KERNELS:
@@ -117,6 +119,11 @@ class FitResult:
     """Whether the tol criterion stopped the run."""
     time_s: float
     """Wall time of the training loop on this rank (setup and evaluation excluded)."""
+
+
+def _is_real(value: Any) -> bool:
+    """Return whether ``value`` is a real number (Python or numpy), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _array_module(x: Any) -> tuple[Any, str]:
@@ -169,27 +176,62 @@ def _resolve(comm: Any) -> Any:
     return comm
 
 
+def check_targets(code: int, y: Any) -> np.ndarray:
+    """Return the labels as the kernels use them (logistic: +-1), or raise naming the bad values and the fix."""
+    y = np.asarray(y.get() if hasattr(y, "get") else y)
+    if y.ndim != 1:
+        hint = "; pass y.ravel() for a column vector" if y.ndim == 2 and 1 in y.shape else ""
+        raise ValueError(f"y must be a 1-D array of labels, got shape {y.shape}{hint}")
+    if y.dtype.kind not in "biuf":
+        hint = (" (encode the two classes as 0/1, e.g. with sklearn.preprocessing.LabelEncoder)"
+                if code == _losses.LOGISTIC else "")
+        raise ValueError(f"y has dtype {y.dtype}; numeric labels are needed{hint}")
+    if code == _losses.POISSON and y.size:
+        wide = y.astype(np.float64)
+        negative = wide < 0  # NaN compares False: _losses.check_labels reports it below
+        if negative.any():
+            i = int(np.nanargmin(wide))
+            raise ValueError(f"Poisson labels must be non-negative counts, got min(y)={wide[i]:g} at index {i} "
+                             f"({int(negative.sum())} negative values); use loss='least_squares' for signed targets")
+    return _losses.check_labels(code, y)
+
+
+def _first_nonfinite(X: Any) -> tuple[int, int, float] | None:
+    """Return (row, local column, value) of the first NaN/Inf in row order, or None."""
+    for lo in range(0, X.shape[0], _ROW_CHUNK):
+        part = X[lo:lo + _ROW_CHUNK]
+        finite = np.isfinite(part)
+        finite = finite.get() if hasattr(finite, "get") else finite
+        if not finite.all():
+            row, col = np.unravel_index(int(np.argmin(finite)), finite.shape)
+            value = part[row, col]
+            return lo + int(row), int(col), float(value.get() if hasattr(value, "get") else value)
+    return None
+
+
 def _check_blocks(blocks: ColumnBlocks, cfg: SolverConfig, comm: Any) -> np.ndarray:
     """Validate the distributed data collectively (every rank raises the same error); return labels."""
     X = blocks.X
-    bad_row = -1
-    for lo in range(0, X.shape[0], _ROW_CHUNK):
-        finite = np.isfinite(X[lo:lo + _ROW_CHUNK])
-        finite = finite.get() if hasattr(finite, "get") else finite
-        if not finite.all():
-            bad_row = lo + int(np.argmin(finite.all(axis=1)))
-            break
-    info = comm.allgather_object((int(X.shape[0]), bad_row))
-    rows = [r for r, _ in info]
+    kind = np.dtype(X.dtype).kind
+    bad = _first_nonfinite(X) if kind in "biuf" else None
+    info = comm.allgather_object((int(X.shape[0]), str(X.dtype), kind in "biuf", bad, int(blocks.start)))
+    rows = [r for r, *_ in info]
     if len(set(rows)) > 1:
         raise ValueError(f"ranks' column blocks have different row counts {rows} (rank order); "
                          f"every block needs all m rows")
-    for rank, (_, bad) in enumerate(info):
-        if bad >= 0:
-            raise ValueError(f"X holds NaN/Inf: rank {rank}'s block, row {bad}; remove or impute them")
-    y_host = blocks.y.get() if hasattr(blocks.y, "get") else blocks.y
-    y = _losses.check_labels(_losses.loss_code(cfg.loss), y_host)
+    for rank, (_, dtype, numeric, _, _) in enumerate(info):
+        if not numeric:
+            raise ValueError(f"X has dtype {dtype} (rank {rank}'s block); GLM needs real numbers: convert with "
+                             f"X.astype(float) or encode categorical columns (sklearn.preprocessing.OneHotEncoder)")
+    for rank, (_, _, _, found, start) in enumerate(info):
+        if found is not None:
+            row, col, value = found
+            raise ValueError(f"X holds NaN/Inf: rank {rank}'s block, row {row}, column {start + col} (value "
+                             f"{value!r}); remove or impute non-finite values first (sklearn.impute.SimpleImputer)")
     m, b, s = rows[0], cfg.batch_size, cfg.steps_per_exchange
+    if m == 0:
+        raise ValueError(f"X has 0 rows; fitting needs at least s*batch_size={s}*{b}={s * b} samples")
+    y = check_targets(_losses.loss_code(cfg.loss), blocks.y)
     if s * b > m:
         raise ValueError(f"s*batch_size={s}*{b}={s * b} exceeds the {m} rows; lower s or batch_size")
     return y
@@ -438,7 +480,7 @@ def objective(blocks: ColumnBlocks, coef: Any, intercept: float = 0.0, *, loss: 
               l2: float = 0.0, comm: Any = None) -> float:
     """Return mean loss + l2/2 ||w||^2 over all rows in float64 (one allreduce of m+1 numbers)."""
     code = _losses.loss_code(loss)
-    y = _losses.check_labels(code, blocks.y.get() if hasattr(blocks.y, "get") else blocks.y)
+    y = check_targets(code, blocks.y)
     w = np.asarray(coef.get() if hasattr(coef, "get") else coef, dtype=np.float64)
     z, sq = margins(blocks, w, intercept, comm=comm, extra=float(w @ w))
     const = _losses.label_constant(code, y)

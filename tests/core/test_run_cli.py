@@ -144,7 +144,7 @@ def test_wrap_program(cmd, options, want):
     (["bench", "codecs", "--bogus"], "unrecognized arguments: --bogus (commwire bench codecs -- --help"),
     (["bench", "glm", "-np", "2", "--datasets", "nope"], "--datasets: data set 'nope' is unknown; choose from"),
     (["bench", "faults", "--scenarios", "nope"], "unknown scenarios ['nope']; choose from"),
-    (["bench", "nope"], "'nope' is not one of 'allreduce'"),
+    (["bench", "nope"], "'nope' is not one of 'agreement', 'allreduce'"),
     (["bench"], "Missing argument"),
     (["lab", "up", "--hosts", "x"], "'x' is not a valid integer"),
     (["info", "--bogus"], "No such option"),

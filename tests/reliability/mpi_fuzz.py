@@ -1,125 +1,317 @@
-"""Fuzz the collectives with random shapes, dtypes, ops and values — tier 2 (mpiexec).
+"""Fuzz the collectives with random shapes, dtypes, ops, codecs and values — tier 2 (mpiexec).
 
 Every rank runs the same hypothesis examples (derandomized, no database) and
-builds its input from (example seed, rank), so each rank can compute the
-reference of every rank's data in float64 itself. A verdict is agreed with an
-all-reduce before asserting, so a failure is seen by all ranks at the same
-example and shrinking stays in step.
+builds its input from (case seed, rank) with ``_oracle.rank_data``, so each rank
+computes the float64 reference of every rank's data itself. Every element of
+every result is compared (``_oracle.check``) with the bounds documented in
+``_oracle.py``: finite elements within the per-dtype / per-codec bound,
+non-finite ones exactly (NaN stays NaN, ±Inf keeps its sign where the format
+determines it); moves (allgather, broadcast, alltoall) must be bit-exact.
+A verdict is agreed with an all-gather before asserting, so a failure is seen by
+all ranks at the same example and shrinking stays in step.
 
-Profiles: "ci" (default, a few hundred examples) and "soak" (10,000 per test):
+The last test breaks the collectives on purpose (all NaN, or finite values off
+by more than the tolerance) and requires the checker to fail.
+
+Profiles ("ci" by default, "soak" for 10,000 cases per target; see conftest.py)::
+
     mpiexec -n 3 python -m pytest tests/reliability/mpi_fuzz.py --hypothesis-profile soak
 """
 
 from __future__ import annotations
 
-import ml_dtypes
+import zlib
+from typing import Any
+
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+import _oracle as oracle
 import commwire as cw
+from commwire.codecs import collective, get
+
+torch = pytest.importorskip("torch")
+# NaN/Inf inputs make two codec paths warn (the values are right; see the fuzz report):
+# error feedback's residual (feedback.py) and the generic decode-then-add (base.py).
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")]
 
 COMM = cw.init()
-# Profiles "ci" and "soak" are registered in conftest.py.
-
+P = COMM.size
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"]
-TOL = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 
 
-def _dt(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+# ------------------------------------------------------------------ helpers
+def _scale(dtype: str, kind: str) -> float:
+    """Return the half-width of a case's values: unit, subnormal or large (no overflow on P ranks)."""
+    if kind == "unit" or dtype in oracle.INT_DTYPES:
+        return 3.0
+    info = oracle.ml_dtypes.finfo(oracle.np_dtype(dtype))
+    if kind == "subnormal":
+        return 64 * float(info.smallest_subnormal)
+    return float(info.max) / (4 * P)
 
 
-def _data(seed: int, rank: int, shape: tuple[int, ...], dtype: str, special: bool) -> np.ndarray:
-    rng = np.random.default_rng(seed * 7919 + rank)
-    if dtype in ("int32", "int64", "uint8"):
-        return rng.integers(0, 4, size=shape).astype(dtype)
-    x = rng.uniform(-3, 3, size=shape)
-    if special and x.size:
-        x.flat[rng.integers(x.size)] = rng.choice([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-30])
-    return x.astype(_dt(dtype))
+def _inputs(seed: int, shape: tuple[int, ...], dtype: str, special: bool, scale: float) -> list[np.ndarray]:
+    return [oracle.rank_data(seed, r, shape, dtype, special, scale, P) for r in range(P)]
 
 
-def _agree(ok: bool, detail: str) -> None:
-    flags = COMM.allgather_object((ok, detail))
-    bad = [(r, d) for r, (o, d) in enumerate(flags) if not o]
+def _to(x: np.ndarray, kind: str) -> Any:
+    if kind == "numpy":
+        return x
+    if x.dtype == oracle.BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def _back(y: Any) -> np.ndarray:
+    if isinstance(y, np.ndarray):
+        return y
+    if y.dtype == torch.bfloat16:
+        return y.view(torch.int16).numpy().view(oracle.BF16)
+    return y.numpy()
+
+
+def _agree(target: str, problem: str) -> None:
+    """Fail on every rank when any rank found a problem (ranks stay in step)."""
+    oracle.count(target, problem)
+    flags = COMM.allgather_object(problem)
+    bad = [(r, p) for r, p in enumerate(flags) if p]
     assert not bad, bad
 
 
-def _close(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
-    if got.shape != want.shape:
-        return False
-    g = got.astype(np.float64)
-    if dtype not in TOL:
-        return bool(np.array_equal(g, want))
-    finite = np.isfinite(want)
-    if not np.array_equal(np.isfinite(g), finite) and not (np.isnan(want) | np.isinf(want)).any():
-        return False
-    return bool(np.allclose(g[finite], want[finite], rtol=TOL[dtype], atol=TOL[dtype] * 3 * COMM.size))
+def _same_everywhere(y: np.ndarray) -> str:
+    digests = COMM.allgather_object(zlib.crc32(np.ascontiguousarray(y).view(np.uint8).tobytes()))
+    return "" if len(set(digests)) == 1 else f"ranks hold different results: crc32 {digests}"
 
 
-@given(seed=st.integers(0, 2**20), shape=shapes, dtype=st.sampled_from(DTYPES),
-       op=st.sampled_from(["sum", "avg", "min", "max"]), special=st.booleans(), inplace=st.booleans())
-def test_allreduce_fuzz(seed, shape, dtype, op, special, inplace):
-    if op == "avg" and dtype in ("int32", "int64", "uint8"):
+def _kind_dtype(got: Any, sent: Any) -> str:
+    if type(got) is not type(sent) or got.dtype != sent.dtype or tuple(got.shape) != tuple(sent.shape):
+        return f"returned {type(got).__name__} {got.dtype}{tuple(got.shape)} for {type(sent).__name__} " \
+               f"{sent.dtype}{tuple(sent.shape)}"
+    return ""
+
+
+# ------------------------------------------------------------------ allreduce
+allreduce_cases = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**32 - 1), "shape": shapes, "dtype": st.sampled_from(DTYPES),
+    "op": st.sampled_from(["sum", "avg", "min", "max"]), "special": st.booleans(), "inplace": st.booleans(),
+    "kind": st.sampled_from(["numpy", "torch"]), "scale": st.sampled_from(["unit", "unit", "subnormal", "large"]),
+})
+
+
+def allreduce_case(seed, shape, dtype, op, special, inplace, kind, scale) -> str:
+    """Run one all-reduce case; return "" or what went wrong."""
+    if op == "avg" and dtype in oracle.INT_DTYPES:
         op = "sum"
-    special = special and dtype not in ("int32", "int64", "uint8")
-    x = _data(seed, COMM.rank, shape, dtype, special)
-    got = COMM.allreduce(x, op, out=x if inplace else None)
-    stack = np.stack([_data(seed, r, shape, dtype, special).astype(np.float64) for r in range(COMM.size)])
-    with np.errstate(invalid="ignore"):
-        want = {"sum": stack.sum(0), "avg": stack.mean(0), "min": stack.min(0), "max": stack.max(0)}[op]
-    if special:  # NaN/Inf: only require that non-finite stays non-finite where the reference is
-        ok = got.shape == want.shape and bool(np.all(~np.isfinite(got.astype(np.float64))[~np.isfinite(want)]))
+    special = special and dtype not in oracle.INT_DTYPES
+    xs = _inputs(seed, shape, dtype, special, _scale(dtype, scale))
+    sent = _to(xs[COMM.rank].copy(), kind)
+    got = COMM.allreduce(sent, op, out=sent if inplace else None)
+    what = f"allreduce {op} {dtype} {shape} {kind}{' in place' if inplace else ''} scale={scale}"
+    problem = _kind_dtype(got, sent) or oracle.check(_back(got), oracle.reduce_expect(np.stack(xs), op, dtype), what)
+    if not problem and inplace:
+        problem = oracle.same_bits(_back(sent), _back(got), what + " (out=x not written)")
+    return problem
+
+
+@given(case=allreduce_cases)
+def test_allreduce_fuzz(case):
+    _agree("allreduce", allreduce_case(**case))
+
+
+# ------------------------------------------------------------------ moves and reduce_scatter
+moves_cases = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**32 - 1), "rows": st.integers(0, 5), "tail": shapes.map(lambda s: s[:2]),
+    "dtype": st.sampled_from(DTYPES), "special": st.booleans(), "kind": st.sampled_from(["numpy", "torch"]),
+    "move": st.sampled_from(["allgather", "broadcast", "alltoall", "reduce_scatter"]),
+    "op": st.sampled_from(["sum", "avg", "min", "max"]),
+})
+
+
+def _rows(exp: oracle.Expect, lo: int, hi: int) -> oracle.Expect:
+    return oracle.Expect(exp.value[lo:hi], exp.bound[lo:hi], exp.nonfinite[lo:hi], exp.nan[lo:hi], exp.sign[lo:hi])
+
+
+def moves_case(seed, rows, tail, dtype, special, kind, move, op) -> str:
+    """Run one allgather / broadcast / alltoall / reduce_scatter case; return "" or what went wrong."""
+    special = special and dtype not in oracle.INT_DTYPES
+    rank = COMM.rank
+    what = f"{move} {dtype} rows={rows} tail={tail} {kind}"
+
+    def data(r: int, n_rows: int) -> np.ndarray:
+        return oracle.rank_data(seed, r, (n_rows,) + tail, dtype, special, 3.0, P)
+
+    if move == "allgather":
+        sent = _to(data(rank, rows + rank), kind)
+        got = COMM.allgather(sent)
+        want = np.concatenate([data(r, rows + r) for r in range(P)])
+    elif move == "broadcast":
+        root = seed % P
+        sent = _to(data(rank, rows), kind)
+        got = COMM.broadcast(sent, root)
+        want = data(root, rows)
+    elif move == "alltoall":
+        sent = _to(data(rank, rows * P), kind)
+        got = COMM.alltoall(sent)
+        want = np.concatenate([data(r, rows * P)[rank * rows:(rank + 1) * rows] for r in range(P)])
     else:
-        ok = _close(got, want, dtype) and got.dtype == x.dtype
-    _agree(ok, f"allreduce {op} {dtype} {shape}")
+        if op == "avg" and dtype in oracle.INT_DTYPES:
+            op = "sum"
+        sent = _to(data(rank, rows), kind)
+        got = COMM.reduce_scatter(sent, op)
+        counts = [len(c) for c in np.array_split(np.arange(rows), P)]
+        lo = sum(counts[:rank])
+        exp = oracle.reduce_expect(np.stack([data(r, rows) for r in range(P)]), op, dtype)
+        if type(got) is not type(sent) or got.dtype != sent.dtype:
+            return f"{what}: returned {type(got).__name__} {got.dtype} for {type(sent).__name__} {sent.dtype}"
+        return oracle.check(_back(got), _rows(exp, lo, lo + counts[rank]), f"{what} {op}")
+    if type(got) is not type(sent):
+        return f"{what}: returned {type(got).__name__} for {type(sent).__name__}"
+    return oracle.same_bits(_back(got), want, what)
 
 
-@given(seed=st.integers(0, 2**20), rows=st.integers(0, 5), tail=shapes, dtype=st.sampled_from(DTYPES),
-       kind=st.sampled_from(["allgather", "broadcast", "reduce_scatter", "alltoall"]))
-def test_moves_fuzz(seed, rows, tail, dtype, kind):
-    tail = tail[:2]
-    if kind == "allgather":
-        x = _data(seed, COMM.rank, (rows + COMM.rank,) + tail, dtype, False)
-        got = COMM.allgather(x)
-        want = np.concatenate([_data(seed, r, (rows + r,) + tail, dtype, False) for r in range(COMM.size)])
-        ok = bool(np.array_equal(got, want))
-    elif kind == "broadcast":
-        x = _data(seed, COMM.rank, (rows,) + tail, dtype, False)
-        root = seed % COMM.size
-        ok = bool(np.array_equal(COMM.broadcast(x, root), _data(seed, root, (rows,) + tail, dtype, False)))
-    elif kind == "alltoall":
-        x = _data(seed, COMM.rank, (rows * COMM.size,) + tail, dtype, False)
-        got = COMM.alltoall(x)
-        want = np.concatenate([_data(seed, r, (rows * COMM.size,) + tail, dtype, False)[
-            COMM.rank * rows:(COMM.rank + 1) * rows] for r in range(COMM.size)])
-        ok = bool(np.array_equal(got, want))
+@given(case=moves_cases)
+def test_moves_fuzz(case):
+    _agree("moves", moves_case(**case))
+
+
+# ------------------------------------------------------------------ compressed all-reduce
+BASES = ["none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "nvfp4"]
+codec_specs = st.builds(
+    lambda ef, size, base, block, sr, seed: "+".join(
+        (["ef"] if ef else [])
+        + ([f"hadamard:size={size},seed={seed}"] if size else [])
+        + [base + ":" + ",".join(([f"block={block}"] if base.startswith("fp8") and block else [])
+                                 + (["sr", f"seed={seed}"] if sr and base.startswith(("fp8", "nvfp4")) else []))]
+    ).rstrip(":"),
+    ef=st.booleans(), size=st.sampled_from([0, 0, 0, 2, 4, 16, 32, 128]), base=st.sampled_from(BASES),
+    block=st.sampled_from([0, 0, 1, 5, 16, 100, 128, 1000]), sr=st.booleans(), seed=st.integers(0, 2**32 - 1),
+)
+compressed_cases = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**32 - 1), "n": st.one_of(st.integers(0, 3000), st.integers(3000, 40_000)),
+    "spec": codec_specs, "op": st.sampled_from(["sum", "avg", "avg", "max"]), "special": st.booleans(),
+    "path": st.sampled_from(["default", "gathered", "pipelined"]),
+    "segment": st.sampled_from([None, 1, 2048, 8192, 65536]),
+    "dtype": st.sampled_from(["float32", "float32", "float64", "float16", "bfloat16"]),
+    "inplace": st.booleans(), "kind": st.sampled_from(["numpy", "numpy", "torch"]),
+})
+
+
+def _compressed_call(path: str, x: Any, op: str, codec: Any, name: str, segment: int | None, out: Any) -> Any:
+    if path == "default":
+        return cw.allreduce(x, op, codec=codec, name=name, out=out)
+    if path == "gathered":
+        return collective.compressed_allreduce(COMM, x, op, codec=codec, name=name, out=out, small_bytes=1 << 62)
+    return collective.compressed_allreduce(COMM, x, op, codec=codec, name=name, out=out, small_bytes=0,
+                                           segment_bytes=segment)
+
+
+def compressed_case(seed, n, spec, op, special, path, segment, dtype, inplace, kind) -> str:
+    """Run one compressed all-reduce case (two calls for error feedback); return "" or what went wrong."""
+    stages = oracle.parse_stages(spec)
+    lossless = all(s.kind in ("none", "ef") for s in stages)
+    ef = stages[0].kind == "ef"
+    xs = _inputs(seed, (n,), dtype, special, 3.0)
+    what = f"{spec} {op} n={n} {dtype} path={path} segment={segment} special={special}"
+    codec = get(spec) if ef else spec  # a fresh object: its residuals start at zero and go with it
+    if op == "max" and not lossless:
+        try:
+            _compressed_call(path, _to(xs[COMM.rank].copy(), kind), op, codec, "fuzz", segment, None)
+        except ValueError as exc:
+            return "" if "max" in str(exc) else f"{what}: ValueError does not name the op: {exc}"
+        return f"{what}: op='max' on a lossy codec did not raise ValueError"
+    if lossless:
+        expects = [oracle.reduce_expect(np.stack(xs), op, dtype)] * 2
     else:
-        x = _data(seed, COMM.rank, (rows,) + tail, dtype, False)
-        got = COMM.reduce_scatter(x, "sum")
-        total = np.sum([_data(seed, r, (rows,) + tail, dtype, False).astype(np.float64)
-                        for r in range(COMM.size)], axis=0)
-        ok = _close(got, np.array_split(total, COMM.size)[COMM.rank], dtype)
-    _agree(ok, f"{kind} {dtype} rows={rows} tail={tail}")
+        two_phase = P > 1 and (path == "pipelined" or (path == "default" and n * 4 >= collective.SMALL_BYTES))
+        flat = [x.astype(np.float64) for x in xs]
+        expects = oracle.compressed_expect(flat, op, stages, two_phase, dtype, calls=2, ef_stages=int(ef))
+    for call in range(2 if ef else 1):
+        sent = _to(xs[COMM.rank].copy(), kind)
+        got = _compressed_call(path, sent, op, codec, "fuzz", segment, sent if inplace else None)
+        label = f"{what} call {call + 1}"
+        problem = (_kind_dtype(got, sent) or oracle.check(_back(got), expects[call], label)
+                   or (oracle.same_bits(_back(sent), _back(got), label + " (out=x)") if inplace else ""))
+        problem = problem or _same_everywhere(_back(got))
+        if problem:
+            return problem
+    return ""
 
 
-BOUND = {"bf16": 2e-2, "fp8-e4m3": 0.08, "fp8-e5m2": 0.15, "nvfp4": 0.3, "ef+fp8-e4m3": 0.08}
+@given(case=compressed_cases)
+def test_compressed_allreduce_fuzz(case):
+    _agree("compressed_allreduce", compressed_case(**case))
 
 
-@given(seed=st.integers(0, 2**20), n=st.integers(0, 5000), codec=st.sampled_from(sorted(BOUND)),
-       op=st.sampled_from(["sum", "avg"]), special=st.booleans())
-def test_compressed_allreduce_fuzz(seed, n, codec, op, special):
-    x = _data(seed, COMM.rank, (n,), "float32", special)
-    got = cw.allreduce(x, op, codec=codec, name=f"fuzz-{codec}-{n}")  # error feedback: one key per size
-    stack = np.stack([_data(seed, r, (n,), "float32", special).astype(np.float64) for r in range(COMM.size)])
-    want = stack.sum(0) / (COMM.size if op == "avg" else 1)
-    if special:
-        ok = got.shape == want.shape and bool(np.all(~np.isfinite(got)[~np.isfinite(want)]))
+# ------------------------------------------------------------------ the checker catches broken collectives
+_PERTURB = {"float64": 2.0**-40, "float32": 2.0**-14, "float16": 2.0**-7, "bfloat16": 2.0**-4}
+"""Relative error a broken plain collective adds: at least 16x each dtype's bound (oracle docstring)."""
+
+
+def _like(values: np.ndarray, y: Any) -> Any:
+    """Return ``values`` as the same array kind as ``y`` (a broken collective keeps the kind)."""
+    return values if isinstance(y, np.ndarray) else _to(values, "torch")
+
+
+def _nan_like(y: Any) -> Any:
+    values = _back(y).copy()
+    if values.dtype.kind in "iu":
+        values ^= 1
     else:
-        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-        ok = got.shape == want.shape and (n == 0 or err < BOUND[codec])
-    same = len(set(COMM.allgather_object(got.tobytes()))) == 1  # identical on every rank
-    _agree(ok and same, f"{codec} {op} n={n} special={special}")
+        values[...] = np.nan
+    return _like(values, y)
+
+
+def _off_by(y: Any, relative: float) -> Any:
+    values = _back(y)
+    if values.dtype.kind in "iu":
+        return _like(values ^ 1, y)
+    wide = values.astype(np.float64)
+    return _like((wide + np.where(wide < 0, -1, 1) * (relative * np.abs(wide) + 1e-30)).astype(values.dtype), y)
+
+
+def _broken(kind: str, original: Any, plain: bool) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        y = original(*args, **kwargs)
+        if kind == "nan":
+            return _nan_like(y)
+        if plain:
+            return _off_by(y, _PERTURB.get(str(_back(y).dtype), 0.0))
+        codec = kwargs["codec"]
+        a, _ = oracle.chain_bound(oracle.parse_stages(codec if isinstance(codec, str) else codec.spec), np.ones(1))
+        return _off_by(y, 8 * P * a + 2.0**-8)  # beyond P ranks' quantisation errors, both phases
+    return run
+
+
+PROBES = {
+    "allreduce": (allreduce_cases.filter(lambda c: c["dtype"] in ("float32", "float16", "bfloat16", "float64")
+                                         and c["op"] in ("sum", "avg") and not c["inplace"]), allreduce_case),
+    "compressed_allreduce": (compressed_cases.filter(lambda c: c["op"] != "max" and not c["inplace"]
+                                                     and not c["spec"].startswith(("none", "ef+none"))),
+                             compressed_case),
+}
+
+
+@pytest.mark.parametrize("breakage", ["nan", "off"])
+@pytest.mark.parametrize("target", list(PROBES))
+def test_checker_catches_broken_collectives(target, breakage, monkeypatch):
+    strategy, case_fn = PROBES[target]
+    if target == "allreduce":
+        monkeypatch.setattr(type(COMM), "allreduce", _broken(breakage, type(COMM).allreduce, True))
+    else:
+        monkeypatch.setattr(collective, "compressed_allreduce",
+                            _broken(breakage, collective.compressed_allreduce, False))
+
+    @settings(max_examples=40, phases=[Phase.generate], derandomize=True, database=None, deadline=None)
+    @given(case=strategy)
+    def probe(case):
+        problem = case_fn(**case)
+        flags = COMM.allgather_object(problem)
+        assert not any(flags), flags
+
+    with pytest.raises(AssertionError):
+        probe()
