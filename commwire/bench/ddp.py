@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d-model", type=int, default=192, help="transformer width (default 192)")
     parser.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")
+    parser.add_argument("--context", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -201,10 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         parser.error(f"--configs {bad or args.configs!r}: choose from {', '.join(CONFIGS)}")
-    if min(args.d_model, args.layers, args.batch, args.steps, args.rounds) < 1 or args.d_model % 4:
-        parser.error("--d-model (a multiple of 4), --layers, --batch, --steps and --rounds must be >= 1")
+    if min(args.d_model, args.layers, args.batch, args.context, args.steps, args.rounds) < 1 or args.d_model % 4:
+        parser.error("--d-model (a multiple of 4), --layers, --batch, --context, --steps and --rounds must be >= 1")
     rows = run_ddp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
-                         steps=args.steps, rounds=args.rounds)
+                         context=args.context, steps=args.steps, rounds=args.rounds)
     from ..comm.runtime import world
 
     emit(format_table(rows), rows, args.json, rank=world().rank)
