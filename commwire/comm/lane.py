@@ -66,6 +66,7 @@ class Lane:
                 "call commwire.init(thread_level='multiple') (the default)"
             )
         self.comm = comm._derive(comm.mpi.Dup())
+        self.comm._lane_comm = True
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="commwire-lane", initializer=_mark_lane_thread)
         self._run_lock = threading.Lock()  # held while a function of this lane runs, on any thread
         self._count_lock = threading.Lock()
