@@ -1,13 +1,31 @@
-"""Collect what ``commwire info`` reports about the environment."""
+"""What ``commwire info`` reports: versions, and a diagnosis of the environment with a fix per problem.
+
+Each check has a status — ``ok``, ``note`` (works, with a limit worth
+knowing), ``problem`` (something a user of that feature will hit) — what was
+found and how it was decided, and for anything not ``ok`` the fix.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
 import platform
+import shutil
 import sys
 from typing import Any
 
-__all__ = ["collect", "format_info"]
+__all__ = ["Check", "collect", "diagnose", "format_info"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Check:
+    """One finding of ``diagnose``."""
+
+    name: str
+    status: str  # "ok", "note" or "problem"
+    found: str
+    fix: str = ""
 
 
 def _version(module: str) -> str | None:
@@ -62,6 +80,7 @@ def collect() -> dict[str, Any]:
         "numba": _version("numba"),
         "torch": _version("torch"),
         "cupy": _version("cupy"),
+        "rich": _version("rich"),
         "mpi_vendor": MPI.get_vendor()[0] + " " + ".".join(map(str, MPI.get_vendor()[1])),
         "mpi_library": library[0] if library else "",
         "mpi_standard": ".".join(map(str, MPI.Get_version())),
@@ -74,7 +93,127 @@ def collect() -> dict[str, Any]:
     }
 
 
-def format_info(info: dict[str, Any]) -> str:
-    """Render ``collect()``'s dict as aligned ``key: value`` lines."""
+def _launcher_check() -> Check:
+    from mpi4py import MPI
+
+    from .launch import find_launcher
+
+    vendor = MPI.get_vendor()[0]
+    try:
+        launcher = find_launcher()
+    except RuntimeError as exc:
+        return Check("launcher", "problem", f"none found ({exc})",
+                     "pip install 'commwire[mpich]' (brings mpiexec), or put your MPI's bin directory on PATH")
+    kinds = {"MPICH": "mpich", "Intel MPI": "intel", "Open MPI": "openmpi"}
+    expected = kinds.get(vendor)
+    found = f"{launcher.kind} at {launcher.path}; mpi4py runs on {vendor}"
+    if launcher.kind != "slurm" and expected is not None and launcher.kind != expected:
+        return Check("launcher", "problem", found + " (a different MPI: every rank would start alone)",
+                     f"use the mpiexec of {vendor} (the one next to the Python that has mpi4py), or rebuild "
+                     "mpi4py against this launcher's MPI")
+    return Check("launcher", "ok", found + " (same MPI)")
+
+
+def _thread_check() -> Check:
+    from .comm import runtime
+
+    level = runtime.thread_level()
+    if level == "multiple":
+        return Check("thread level", "ok", "MPI_THREAD_MULTIPLE: background lanes overlap communication "
+                                           "with computation")
+    asked = os.environ.get("COMMWIRE_THREAD_LEVEL")
+    why = f"COMMWIRE_THREAD_LEVEL={asked!r} asked for it" if asked else "this MPI library offers no more"
+    return Check("thread level", "note", f"MPI_THREAD_{level.upper()} ({why}): async collectives run at once, "
+                                         "without overlap",
+                 "unset COMMWIRE_THREAD_LEVEL" if asked else "use an MPI built with thread support "
+                                                             "(pip install 'commwire[mpich]')")
+
+
+def _cuda_check() -> Check:
+    from .comm import runtime
+
+    setting = os.environ.get("COMMWIRE_CUDA_AWARE", "auto")
+    detected = runtime.query_mpi_cuda_support()
+    devices = _devices()
+    count = len(devices["torch_cuda"] or []) or (devices["cupy_devices"] or 0)
+    how = (f"COMMWIRE_CUDA_AWARE={setting}" if setting != "auto" else
+           f"asked the MPI library (MPIX_Query_cuda_support): {'yes' if detected else 'no or not provided'}")
+    if not count:
+        return Check("CUDA", "ok", f"no CUDA device; {how}")
+    if runtime.cuda_aware():
+        return Check("CUDA", "ok", f"{count} device(s); CUDA buffers go straight to MPI ({how})")
+    return Check("CUDA", "note", f"{count} device(s); CUDA buffers are staged through host memory ({how})",
+                 "with a CUDA-aware MPI (e.g. Open MPI built with UCX/CUDA) set COMMWIRE_CUDA_AWARE=1, or leave "
+                 "auto if it reports MPIX_Query_cuda_support")
+
+
+def _lab_check() -> Check:
+    tools = {name: shutil.which(name) for name in ("ip", "tc")}
+    missing = [name for name, path in tools.items() if path is None]
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if missing or not root:
+        why = ", ".join(([f"{m} not found" for m in missing]) + ([] if root else ["not root"]))
+        return Check("lab", "note", f"emulated cluster unavailable ({why})",
+                     "run as root with iproute2 installed (apt-get install iproute2) to use commwire lab and see "
+                     "the link-bound figures")
+    from .lab import netns
+
+    running = netns.status()
+    state = f"a {running.hosts}-host lab is up at {running.bandwidth}" if running is not None else "no lab is up"
+    return Check("lab", "ok", f"root, ip ({tools['ip']}) and tc ({tools['tc']}) found; {state}")
+
+
+def _env_check() -> Check:
+    from . import _config
+
+    problems = []
+    for name in sorted(k for k in os.environ if k.startswith("COMMWIRE_")):
+        if name not in _config.VARIABLES:
+            problems.append(f"{name} is not a commwire variable")
+    for name, read in (("COMMWIRE_TIMEOUT", lambda: _config.env_float("COMMWIRE_TIMEOUT", 300.0)),
+                       ("COMMWIRE_ABORT_ON_ERROR", lambda: _config.env_bool("COMMWIRE_ABORT_ON_ERROR", True))):
+        try:
+            read()
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        return Check("environment", "problem", "; ".join(problems),
+                     "fix or unset them (the table in commwire/_config.py lists every variable)")
+    return Check("environment", "ok", "COMMWIRE_* variables valid" if any(
+        k.startswith("COMMWIRE_") for k in os.environ) else "no COMMWIRE_* variables set")
+
+
+def _torch_check() -> Check:
+    version = _version("torch")
+    if version is None:
+        return Check("torch", "note", "not installed: commwire.torch (Horovod API, DDP hook) unavailable",
+                     "pip install 'commwire[torch]' (a CPU build: pip install torch==2.13.0)")
+    return Check("torch", "ok", f"{version}; commwire.torch and the DDP hook available")
+
+
+def diagnose() -> list[Check]:
+    """Return the environment checks (launcher, thread level, CUDA, lab, variables, torch)."""
+    from .comm import runtime
+
+    runtime.init()
+    checks = []
+    for check in (_launcher_check, _thread_check, _cuda_check, _lab_check, _env_check, _torch_check):
+        try:
+            checks.append(check())
+        except Exception as exc:  # noqa: BLE001 - a failing check is itself a finding
+            checks.append(Check(check.__name__.strip("_").replace("_check", "").replace("_", " "), "problem",
+                                f"the check failed: {exc!r}", "report this with the output of commwire info"))
+    return checks
+
+
+def format_info(info: dict[str, Any], checks: list[Check] | None = None) -> str:
+    """Render ``collect()``'s dict as aligned ``key: value`` lines, then the checks with their fixes."""
     width = max(map(len, info))
-    return "\n".join(f"{key.ljust(width)} : {'-' if value is None else value}" for key, value in info.items())
+    lines = [f"{key.ljust(width)} : {'-' if value is None else value}" for key, value in info.items()]
+    if checks:
+        lines += ["", "checks:"]
+        for c in checks:
+            lines.append(f"  {c.status:<7} {c.name}: {c.found}")
+            if c.fix:
+                lines.append(f"          fix: {c.fix}")
+    return "\n".join(lines)

@@ -40,6 +40,7 @@ import tempfile
 import time
 from typing import Any
 
+from ._progress import Steps
 from ._report import emit
 
 __all__ = ["SCENARIOS", "run_fault_bench", "format_table", "main"]
@@ -286,23 +287,30 @@ def _cumulative(counts: list[int]) -> list[int]:
 
 
 def run_fault_bench(scenarios: list[str], *, repeats: int = 20, np_: int = 4, timeout: float = 3.0,
-                    seed: int = 0) -> list[dict[str, Any]]:
+                    seed: int = 0, quiet: bool = False) -> list[dict[str, Any]]:
     """Run every scenario ``repeats`` times with a random victim; return one record per run."""
     bad = [s for s in scenarios if s not in SCENARIOS]
     if bad:
         raise ValueError(f"unknown scenarios {bad}; choose from {', '.join(SCENARIOS)}")
     rng = random.Random(seed)
-    records = []
-    with tempfile.TemporaryDirectory(prefix="commwire-faults-") as workdir:
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="commwire-faults-") as workdir, \
+            Steps(len(scenarios) * repeats, "faults", quiet=quiet) as steps:
         for scenario in scenarios:
             reference = _reference(scenario, np_, timeout, workdir) if scenario in _RESUME else None
-            for _ in range(repeats):
+            for i in range(repeats):
                 victim = rng.randrange(np_)
+                index = len(records)
+                steps.start(index, f"{scenario} #{i + 1} (victim rank {victim})")
                 if reference is None:
                     records.append(_one(scenario, np_, victim, timeout, workdir))
                 else:  # killed at a step after the first checkpoint, never after the last step
                     records.append(_one_resume(scenario, np_, victim, rng.randrange(_EVERY, _STEPS), timeout,
                                                workdir, reference))
+                r = records[-1]
+                if not quiet or not r["ok"]:
+                    steps.finish(index, f"{scenario} #{i + 1}: {'ok' if r['ok'] else 'FAILED'} in "
+                                        f"{r['seconds']:.1f} s")
     return records
 
 
@@ -329,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--np", dest="np_", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=3.0, help="watchdog timeout inside the jobs (s)")
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--quiet", action="store_true", help="print only failures and the table")
     args = parser.parse_args(argv)
     records = run_fault_bench([s.strip() for s in args.scenarios.split(",") if s.strip()],
-                              repeats=args.repeats, np_=args.np_, timeout=args.timeout)
+                              repeats=args.repeats, np_=args.np_, timeout=args.timeout, quiet=args.quiet)
     emit(format_table(records, args.timeout), records, args.json_path)
     failed = [r for r in records if not r["ok"]]
     for r in failed[:3]:

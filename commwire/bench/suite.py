@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..lab.netns import signals_raise
+from ._progress import Steps
 
 __all__ = [
     "BENCHES", "LOOPBACK_BENCHES", "LAB_BENCHES", "LAB_HOSTS", "CODECS",
@@ -236,110 +237,28 @@ class PartResult:
 # --------------------------------------------------------------------------- progress
 
 
-class Progress:
-    """Report the suite's progress: a redrawn bar on a terminal, one line per part start/finish otherwise.
-
-    Streamed output lines of the parts go to *out* (prefixed with the part), the
-    bar and the start/finish lines to *err*. Thread-safe: the parts' stdout and
-    stderr are read by two threads.
-    """
+class Progress(Steps):
+    """The suite's progress (``Steps``, drawn with rich on a terminal), told in parts and their results."""
 
     def __init__(self, total: int, *, quiet: bool = False, out: TextIO | None = None, err: TextIO | None = None,
                  tty: bool | None = None) -> None:
-        self.total, self.quiet = total, quiet
-        self.out = out if out is not None else sys.stdout
-        self.err = err if err is not None else sys.stderr
-        if tty is None:
-            tty = bool(getattr(self.err, "isatty", lambda: False)()) and os.environ.get("TERM") != "dumb"
-        self.tty = tty
-        self.done = 0
-        self._label = ""
-        self._started = time.monotonic()
-        self._part_started = self._started
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
-        if self.tty:
-            self._ticker = threading.Thread(target=self._tick, name="suite-progress", daemon=True)
-            self._ticker.start()
+        super().__init__(total, "suite", quiet=quiet, out=out, err=err, tty=tty)
 
-    def _tick(self) -> None:
-        while not self._stop.wait(1.0):
-            with self._lock:
-                self._draw()
-
-    def _bar(self) -> str:
-        width = 24
-        filled = round(width * self.done / max(self.total, 1))
-        elapsed = _clock(time.monotonic() - self._started)
-        text = f"suite [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed}"
-        if self._label:
-            text += f"  {self._label} ({_clock(time.monotonic() - self._part_started)})"
-        return text[: max(20, shutil.get_terminal_size().columns - 1)]
-
-    def _draw(self) -> None:
-        if self.tty and not self._stop.is_set():
-            self.err.write("\r\x1b[K" + self._bar())
-            self.err.flush()
-
-    def _clear(self) -> None:
-        if self.tty:
-            self.err.write("\r\x1b[K")
-            self.err.flush()
-
-    def _print(self, text: str, stream: TextIO) -> None:
-        with self._lock:
-            self._clear()
-            stream.write(text + "\n")
-            stream.flush()
-            self._draw()
-
-    def start(self, index: int, part: Part) -> None:
+    def start(self, index: int, part: Part) -> None:  # type: ignore[override]
         """Announce that part number *index* (0-based) starts."""
-        with self._lock:
-            self._label = f"{part.name} @ {part.where}"
-            self._part_started = time.monotonic()
-            if self.tty:
-                self._draw()
-            else:
-                self._print(f"suite: [{index + 1}/{self.total}] {self._label}: started", self.err)
+        super().start(index, f"{part.name} @ {part.where}")
 
-    def finish(self, index: int, result: PartResult) -> None:
+    def finish(self, index: int, result: PartResult) -> None:  # type: ignore[override]
         """Announce how part number *index* ended."""
-        with self._lock:
-            self.done += 1
-            self._label = ""
-            if result.ok:
-                how = f"ok in {result.wall_s:.1f} s, {len(result.rows)} rows"
-            else:
-                status = "not run" if result.rc is None else f"FAILED (exit {result.rc})"
-                how = f"{status} after {result.wall_s:.1f} s: {result.error}"
-            self._print(f"suite: [{index + 1}/{self.total}] {result.name} @ {result.where}: {how}", self.err)
-            if not result.ok and self.quiet and result.stderr_tail:
-                for line in result.stderr_tail[-5:]:
-                    self._print(f"  {line}", self.err)
-
-    def line(self, label: str, text: str, *, stderr: bool = False) -> None:
-        """Show one output line of a part (nothing when quiet)."""
-        if not self.quiet:
-            self._print(f"[{label}] {text}", self.err if stderr else self.out)
-
-    def note(self, text: str) -> None:
-        """Show a message of the suite itself."""
-        self._print(f"suite: {text}", self.err)
-
-    def close(self) -> None:
-        """Stop redrawing and leave the terminal on a fresh line."""
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join(timeout=2)
-        with self._lock:
-            self._clear()
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}:{secs:02d}"
+        if result.ok:
+            how = f"ok in {result.wall_s:.1f} s, {len(result.rows)} rows"
+        else:
+            status = "not run" if result.rc is None else f"FAILED (exit {result.rc})"
+            how = f"{status} after {result.wall_s:.1f} s: {result.error}"
+        super().finish(index, f"{result.name} @ {result.where}: {how}")
+        if not result.ok and self.quiet and result.stderr_tail:
+            for line in result.stderr_tail[-5:]:
+                self._print(f"  {line}", self.err)
 
 
 # --------------------------------------------------------------------------- running

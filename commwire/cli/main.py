@@ -206,9 +206,14 @@ def _spawn(argv: list[str], env: dict[str, str], watch: Callable[[], int | None]
     ``watch()`` is called every 0.1 s while the launcher runs, until its ``done``
     attribute is true; a status it returns ends the job with that status.
     """
+    # A job started from inside another job's rank (the demo drives a lab job from rank 0) must
+    # not hand the outer launcher's connection to the inner one: Hydra's proxies would write
+    # to the outer job's control socket (HYDI_CONTROL_FD) and never start.
+    inherited = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCAL", "OMPI_", "COMMWIRE_RUN")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
     # The launcher gets its own process group so Ctrl-C/SIGTERM here end every
     # rank it started, and no orphan is left behind.
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+    proc = subprocess.Popen(argv, env={**base, **env}, start_new_session=True)
 
     def forward(signum: int, _frame: object) -> None:
         try:
@@ -286,10 +291,13 @@ def _run_and_report(argv: list[str], env: dict[str, str], np_: int, *, start_tim
 
 @cli.command()
 def info() -> None:
-    """Print versions, MPI vendor and library, thread level, CUDA-aware support and devices."""
-    from ..info import collect, format_info
+    """Print versions, then diagnose: launcher, thread level, CUDA-aware MPI, lab prerequisites, variables.
 
-    click.echo(format_info(collect()))
+    Every finding says how it was decided, and every problem how to fix it.
+    """
+    from ..info import collect, diagnose, format_info
+
+    click.echo(format_info(collect(), diagnose()))
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})

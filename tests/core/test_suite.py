@@ -302,12 +302,14 @@ def test_progress_without_a_terminal_prints_one_line_per_event():
     assert "hidden" not in out.getvalue()
 
 
-def test_progress_on_a_terminal_redraws_a_bar():
+def test_progress_on_a_terminal_draws_a_rich_bar():
     err = io.StringIO()
     progress = suite.Progress(4, out=io.StringIO(), err=err, tty=True)
     progress.start(0, suite.plan(suite.SuiteConfig(out=".", only=("glm",)))[0])
+    progress._bar.refresh()
     progress.close()
-    assert "\r\x1b[Ksuite [" in err.getvalue() and "0/4" in err.getvalue() and "glm @ loopback" in err.getvalue()
+    text = err.getvalue()
+    assert "\x1b[" in text and "suite" in text and "0/4" in text and "glm @ loopback" in text
 
 
 @pytest.mark.mpi

@@ -1,0 +1,56 @@
+"""commwire info diagnoses the environment — tier 1 (single process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from mpi_helpers import ROOT
+
+from commwire import info
+
+
+def _by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_every_check_runs_and_problems_carry_a_fix():
+    checks = info.diagnose()
+    assert set(_by_name(checks)) == {"launcher", "thread level", "CUDA", "lab", "environment", "torch"}
+    for c in checks:
+        assert c.status in ("ok", "note", "problem"), c
+        assert c.status == "ok" or c.fix, c
+
+
+def test_bad_commwire_variables_are_a_problem(monkeypatch):
+    monkeypatch.setenv("COMMWIRE_TIMEOUTT", "5")
+    monkeypatch.setenv("COMMWIRE_TIMEOUT", "abc")
+    env = _by_name(info.diagnose())["environment"]
+    assert env.status == "problem" and "COMMWIRE_TIMEOUTT" in env.found and "'abc'" in env.found
+
+
+def test_a_launcher_of_another_mpi_is_a_problem(monkeypatch):
+    from commwire import launch
+
+    class Fake:
+        kind, path = "openmpi", "/opt/ompi/bin/mpirun"
+
+    monkeypatch.setattr(launch, "find_launcher", lambda *a, **k: Fake())
+    check = _by_name(info.diagnose())["launcher"]
+    assert check.status == "problem" and "every rank would start alone" in check.found and "mpiexec" in check.fix
+
+
+def test_no_root_or_no_tc_says_how_to_get_the_lab(monkeypatch):
+    import shutil
+
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "tc" else real(name))
+    lab = _by_name(info.diagnose())["lab"]
+    assert lab.status == "note" and "tc not found" in lab.found and "iproute2" in lab.fix
+
+
+def test_cli_prints_versions_and_checks():
+    proc = subprocess.run([sys.executable, "-m", "commwire", "info"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "mpi_vendor" in proc.stdout and "checks:" in proc.stdout and "launcher:" in proc.stdout
