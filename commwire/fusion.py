@@ -12,6 +12,14 @@ for its predecessors — because every rank must issue the same collectives in
 the same order. With ``overlap=True`` they run on the communicator's background
 lane while the caller keeps computing.
 
+Buckets live on their members' device (torch CUDA tensors: ``cuda:N``), so the
+reduction takes the core's device path: device buffers straight to a
+CUDA-aware MPI, or staged through host memory, and compressed buckets are
+encoded on the device. A launched bucket's device work is ordered after the
+work queued on the launching thread's current stream (the stream backward
+wrote the gradients on), and ``wait()`` makes the waiting thread's current
+stream wait for the reduction (``commwire.comm.arrays.StreamOrder``).
+
 Example:
     >>> fb = FusionBuffer([("w1", w1), ("b1", b1), ("w2", w2)], op="avg")
     >>> for name, grad in grads.items():
@@ -252,27 +260,26 @@ class FusionBuffer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched_at = time.perf_counter()
         if self.overlap:
-            from .comm.lane import lane_for
-
-            bucket.handle = lane_for(self.comm).submit(self._reduce, bucket, label=bucket.id)
+            # Through the communicator, which orders a CUDA buffer's work with this thread's stream.
+            bucket.handle = self.comm.submit(self._reduce, bucket, bucket.buffer, label=bucket.id)
         else:
-            bucket.handle = _Deferred(lambda: self._reduce(self.comm, bucket))
+            bucket.handle = _Deferred(lambda: self._reduce(self.comm, bucket, bucket.buffer))
 
-    def _reduce(self, comm: Communicator, bucket: Bucket) -> float:
+    def _reduce(self, comm: Communicator, bucket: Bucket, buffer: Any) -> float:
         start = time.perf_counter()
         if self.compressor is not None:
-            sent, ctx = self.compressor.compress(bucket.buffer)
+            sent, ctx = self.compressor.compress(buffer)
             reduced = comm.allreduce(sent, self.op, name=bucket.id)
-            bucket.buffer[...] = self.compressor.decompress(reduced, ctx)
+            buffer[...] = self.compressor.decompress(reduced, ctx)
         elif self.codec is None:
             # on the lane, the wait inside yields the CPU to backward (see Communicator._move)
-            comm.allreduce(bucket.buffer, self.op, out=bucket.buffer, name=bucket.id)
+            comm.allreduce(buffer, self.op, out=buffer, name=bucket.id)
         else:
             from .codecs.collective import compressed_allreduce
 
-            compressed_allreduce(comm, bucket.buffer, self.op, codec=self.codec, out=bucket.buffer, name=bucket.id)
+            compressed_allreduce(comm, buffer, self.op, codec=self.codec, out=buffer, name=bucket.id)
         if self.postscale != 1.0:
-            bucket.buffer *= self.postscale
+            buffer *= self.postscale
         return time.perf_counter() - start
 
     def missing(self) -> list[str]:

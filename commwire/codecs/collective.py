@@ -23,6 +23,17 @@ Error-feedback codecs keep one residual as long as the tensor per tensor name
 on the sending side and one on the reducing side (each chunk uses its slice,
 ``codecs.base.Span``), so both quantisations of the two-phase scheme are
 compensated, and the residuals survive the tuner's change of segment size.
+
+Device arrays (torch CUDA tensors, cupy arrays through torch) whose codec has
+device kernels (casts, FP8, NVFP4, error feedback, Hadamard) stay on the
+device: the codec kernels (``_torch_kernels``, bit-exact with the CPU ones),
+the segment buffers and the FP32 accumulator live there, and MPI gets the
+device buffers (``cuda_aware``) or pinned host mirrors of the payloads only
+(staged: a quarter of the FP32 bytes cross PCIe for FP8). The current stream is
+synchronised before MPI reads a buffer the kernels wrote, and before receives
+are posted into buffers that earlier kernels may still read. Other codecs
+(GIFT) reduce device arrays through a host copy. Every mode sends the same
+messages, so ranks may differ in mode, and their results are bit-identical.
 """
 
 from __future__ import annotations
@@ -34,15 +45,17 @@ from typing import Any
 
 import numpy as np
 
+from ..comm import arrays
 from ..comm.arrays import adapter_for
 from ..comm.communicator import Communicator, _check_out, _describe, _device_of, _op_label, split_rows
 from ..comm.handle import Handle
 from ..comm.handle import wait_requests
-from ..comm.lane import lane_for
+from . import _arrays
 from .base import Codec, Span
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_CHOICES", "TUNE_CALLS",
-           "SMALL_BYTES", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes"]
+           "SMALL_BYTES", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes", "has_device_kernels",
+           "device_space"]
 
 PEER_CHOICES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10)
 """Payload bytes one rank sends one peer per pipeline segment, tried by the segment tuner.
@@ -94,12 +107,102 @@ def resolve_codec(codec: Any) -> Codec:
         return found
 
 
+class _HostSpace:
+    """Where a compressed all-reduce's buffers live: host memory, which MPI reads and writes directly."""
+
+    key: tuple[Any, ...] = ("host",)
+
+    def empty_u8(self, n: int) -> Any:
+        return np.empty(n, dtype=np.uint8)
+
+    def empty_f32(self, n: int) -> Any:
+        return np.empty(n, dtype=_F32)
+
+    def mirror(self, n: int) -> Any:
+        """Return the host copy MPI uses in place of a buffer of ``n`` bytes (None: MPI uses the buffer)."""
+        return None
+
+    def copy(self, dst: Any, src: Any) -> None:
+        np.copyto(dst, src)
+
+    def scale(self, x: Any, factor: float) -> None:
+        np.multiply(x, np.float32(factor), out=x)
+
+    def zero(self, x: Any) -> None:
+        x.fill(0.0)
+
+    def ready(self) -> None:
+        """Wait until the kernels queued so far are done (device buffers MPI touches directly)."""
+
+    def outgoing(self, buf: Any, mirror: Any, lo: int, hi: int) -> Any:
+        """Return what MPI sends for bytes [lo, hi) of ``buf`` (after ``ready()`` for device buffers)."""
+        return buf[lo:hi]
+
+    def incoming(self, buf: Any, mirror: Any, lo: int, hi: int) -> Any:
+        """Return where MPI receives bytes [lo, hi) of ``buf``."""
+        return buf[lo:hi]
+
+    def arrived(self, buf: Any, mirror: Any, lo: int, hi: int) -> None:
+        """Make received bytes [lo, hi) visible in ``buf`` (staged: copy them from the host mirror)."""
+
+
+class _DeviceSpace(_HostSpace):
+    """Buffers on a torch device; MPI reads them directly (CUDA-aware) or pinned host mirrors (staged)."""
+
+    def __init__(self, like: Any, staged: bool) -> None:
+        import torch
+
+        self.torch, self.device, self.staged = torch, like.device, staged
+        self.cuda = like.device.type == "cuda"
+        self.key = (str(like.device), "staged" if staged else "direct")
+
+    def empty_u8(self, n: int) -> Any:
+        return self.torch.empty(n, dtype=self.torch.uint8, device=self.device)
+
+    def empty_f32(self, n: int) -> Any:
+        return self.torch.empty(n, dtype=self.torch.float32, device=self.device)
+
+    def mirror(self, n: int) -> Any:
+        if not self.staged:
+            return None
+        return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.cuda).numpy()  # keeps its tensor alive
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def scale(self, x: Any, factor: float) -> None:
+        x.mul_(float(np.float32(factor)))  # the float32 factor the host path multiplies by: identical results
+
+    def zero(self, x: Any) -> None:
+        x.zero_()
+
+    def ready(self) -> None:
+        if self.cuda and not self.staged:  # staged copies are themselves ordered on the stream
+            self.torch.cuda.current_stream(self.device).synchronize()
+
+    def outgoing(self, buf: Any, mirror: Any, lo: int, hi: int) -> Any:
+        if mirror is None:
+            return buf[lo:hi]
+        self.torch.from_numpy(mirror[lo:hi]).copy_(buf[lo:hi])  # synchronous: after the kernels that wrote buf
+        return mirror[lo:hi]
+
+    def incoming(self, buf: Any, mirror: Any, lo: int, hi: int) -> Any:
+        return buf[lo:hi] if mirror is None else mirror[lo:hi]
+
+    def arrived(self, buf: Any, mirror: Any, lo: int, hi: int) -> None:
+        if mirror is not None:
+            buf[lo:hi].copy_(self.torch.from_numpy(mirror[lo:hi]))
+
+
+_HOST = _HostSpace()
+
+
 class _Segment:
     """Buffers and bookkeeping of one pipeline segment."""
 
-    __slots__ = ("start", "counts", "wire", "offsets", "send", "recv", "gathered")
+    __slots__ = ("start", "counts", "wire", "offsets", "send", "recv", "gathered", "h_send", "h_recv", "h_gathered")
 
-    def __init__(self, codec: Codec, start: int, stop: int, size: int, rank: int) -> None:
+    def __init__(self, codec: Codec, start: int, stop: int, size: int, rank: int, space: _HostSpace) -> None:
         m = stop - start
         blocks = split_rows(-(-m // _ALIGN), size)
         edges = np.minimum(np.concatenate(([0], np.cumsum(blocks) * _ALIGN)), m)
@@ -107,9 +210,10 @@ class _Segment:
         self.counts = np.diff(edges)  # whole blocks per rank; the segment's tail lands in the last non-empty chunk
         self.wire = np.array([codec.wire_nbytes(int(c)) for c in self.counts], dtype=np.int64)
         self.offsets = np.concatenate(([0], np.cumsum(self.wire)[:-1]))
-        self.send = np.empty(int(self.wire.sum()), dtype=np.uint8)
-        self.recv = np.empty(int(self.wire[rank]) * size, dtype=np.uint8)
-        self.gathered = np.empty(int(self.wire.sum()), dtype=np.uint8)
+        total, mine = int(self.wire.sum()), int(self.wire[rank]) * size
+        self.send, self.h_send = space.empty_u8(total), space.mirror(total)
+        self.recv, self.h_recv = space.empty_u8(mine), space.mirror(mine)
+        self.gathered, self.h_gathered = space.empty_u8(total), space.mirror(total)
 
     def chunk(self, i: int) -> slice:
         lo = self.start + int(self.counts[:i].sum())
@@ -147,14 +251,22 @@ class _Plan:
     allocating (and page-faulting) a tensor's worth of memory per call.
     """
 
-    def __init__(self, comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> None:
+    def __init__(self, comm: Communicator, codec: Codec, n: int, segment_bytes: int, space: _HostSpace) -> None:
         size, rank = comm.size, comm.rank
         # The first segment's messages may reach a peer still busy with its previous call,
         # before it has posted their receives: kept within FIRST_PEER_BYTES they are
         # buffered on arrival instead of stalling the connection (see PEER_CHOICES).
         first = segment_bytes_for(codec, size, FIRST_PEER_BYTES)
-        self.segs = [_Segment(codec, a, b, size, rank) for a, b in _segments(n, size, segment_bytes, first)]
-        self.acc = np.empty(int(max(s.counts[rank] for s in self.segs)), dtype=_F32)
+        self.segs = [_Segment(codec, a, b, size, rank, space) for a, b in _segments(n, size, segment_bytes, first)]
+        self.acc = space.empty_f32(int(max(s.counts[rank] for s in self.segs)))
+
+
+class _Gathered:
+    """Buffers of the single-Allgather variant for one (communicator, codec, size, space), kept for reuse."""
+
+    def __init__(self, wire: int, size: int, space: _HostSpace) -> None:
+        self.mine, self.h_mine = space.empty_u8(wire), space.mirror(wire)
+        self.every, self.h_every = space.empty_u8(wire * size), space.mirror(wire * size)
 
 
 _plans: dict[tuple[Any, ...], _Plan] = {}
@@ -223,9 +335,11 @@ class _Tuner:
         # The smallest segment within TUNE_MARGIN of the fastest: longer messages are the
         # ones that stall on a busy receiver (see PEER_CHOICES), so only a clear gain pays.
         self.chosen = next(opt for opt, t in zip(self.options, slowest) if t <= slowest.min() * (1 + TUNE_MARGIN))
-        for opt in self.options:  # free the scratch buffers of the sizes not chosen
+        for opt in self.options:  # free the scratch buffers of the sizes not chosen (in every space)
             if opt != self.chosen:
-                _plans.pop((*_comm_key(comm), self.codec_spec, self.n, opt), None)
+                prefix = (*_comm_key(comm), self.codec_spec, self.n, opt)
+                for key in [k for k in _plans if k[:len(prefix)] == prefix]:
+                    _plans.pop(key, None)
 
 
 _tuners: dict[tuple[Any, ...], _Tuner] = {}
@@ -241,9 +355,9 @@ def tuned_segment_bytes(comm: Communicator, codec: Any, n: int) -> int | None:
     return tuner.chosen if tuner is not None else None
 
 
-def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int) -> _Plan:
-    return _cached(_plans, (*_comm_key(comm), codec.spec, n, segment_bytes),
-                   lambda: _Plan(comm, codec, n, segment_bytes))
+def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int, space: _HostSpace) -> _Plan:
+    return _cached(_plans, (*_comm_key(comm), codec.spec, n, segment_bytes, space.key),
+                   lambda: _Plan(comm, codec, n, segment_bytes, space))
 
 
 _p2p: dict[tuple[int, int], Any] = {}
@@ -271,8 +385,9 @@ def _tag(segment: int, phase: int) -> int:
 class _Run:
     """One compressed all-reduce over a flat FP32 vector."""
 
-    def __init__(self, comm: Communicator, codec: Codec, key: Hashable, average: bool, dry: bool = False) -> None:
-        self.comm, self.codec, self.key, self.average, self.dry = comm, codec, key, average, dry
+    def __init__(self, comm: Communicator, codec: Codec, key: Hashable, average: bool, dry: bool = False,
+                 space: _HostSpace = _HOST) -> None:
+        self.comm, self.codec, self.key, self.average, self.dry, self.space = comm, codec, key, average, dry, space
         self.times = {"encode": 0.0, "transfer": 0.0, "decode": 0.0}
         self.wire_sent = 0
         self.encoded_elems = 0
@@ -288,13 +403,13 @@ class _Run:
 
     def _encode(self, x: np.ndarray, out: np.ndarray, key: Hashable) -> None:
         if self.dry:  # a rank whose arguments deviate sends zeros in the agreed pattern (Communicator._guarded)
-            out[...] = 0
+            out[...] = 0  # dry runs use host buffers
             return
         t = _perf()
         self.codec.encode_into(x, out, key=key)
         self.times["encode"] += _perf() - t
-        self.encoded_elems += x.size
-        self.encoded_wire += out.size
+        self.encoded_elems += int(x.shape[0])
+        self.encoded_wire += int(out.shape[0])
         self._progress()
 
     def _decode(self, buf: np.ndarray, n: int, out: np.ndarray) -> None:
@@ -325,14 +440,18 @@ class _Run:
         self.inflight = [r for r in self.inflight if id(r) not in done]  # identity: finished requests compare equal
         self.times["transfer"] += _perf() - t
 
-    def pipelined(self, flat: np.ndarray, result: np.ndarray, segment_bytes: int) -> None:
-        comm, size, rank = self.comm, self.comm.size, self.comm.rank
-        plan = _plan(comm, self.codec, flat.size, segment_bytes)
+    def pipelined(self, flat: Any, result: Any, segment_bytes: int) -> None:
+        comm, size, rank, sp = self.comm, self.comm.size, self.comm.rank, self.space
+        n = int(flat.shape[0])
+        plan = _plan(comm, self.codec, n, segment_bytes, sp)
         segs, acc = plan.segs, plan.acc
         mpi = _p2p_comm(comm)
         peers = [r for r in range(size) if r != rank]
         recvs: dict[tuple[int, int], list[Any]] = {}  # (segment, phase) -> receive requests
         sends: dict[tuple[int, int], list[Any]] = {}
+        # Device buffers: the previous call's decoding kernels may still read the buffers
+        # the receives below write into (and the input must be complete).
+        sp.ready()
 
         def post_receives(i: int) -> None:
             # Receives go up before the peers' sends leave: a message that finds no posted
@@ -341,19 +460,24 @@ class _Run:
             # receive is posted, costing ms per call when the receiver is busy encoding.
             seg = segs[i]
             w = int(seg.wire[rank])
-            recvs[i, 0] = self._start([mpi.Irecv(seg.recv[r * w:(r + 1) * w], source=r, tag=_tag(i, 0))
-                                       for r in peers])
-            recvs[i, 1] = self._start([mpi.Irecv(seg.gathered[int(seg.offsets[r]):int(seg.offsets[r] + seg.wire[r])],
+            recvs[i, 0] = self._start([mpi.Irecv(sp.incoming(seg.recv, seg.h_recv, r * w, (r + 1) * w),
+                                                 source=r, tag=_tag(i, 0)) for r in peers])
+            recvs[i, 1] = self._start([mpi.Irecv(sp.incoming(seg.gathered, seg.h_gathered, int(seg.offsets[r]),
+                                                             int(seg.offsets[r] + seg.wire[r])),
                                                  source=r, tag=_tag(i, 1)) for r in peers])
 
         def start_exchange(i: int) -> None:
             seg = segs[i]
-            reqs = []
             for r in peers:  # this rank reduces its own chunk from the FP32 input: nothing to encode
                 o = int(seg.offsets[r])
                 self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])],
-                             Span((self.key, "w"), seg.chunk(r).start, flat.size))
-                reqs += self._start([mpi.Isend(seg.send[o:o + int(seg.wire[r])], dest=r, tag=_tag(i, 0))])
+                             Span((self.key, "w"), seg.chunk(r).start, n))
+            sp.ready()
+            reqs = []
+            for r in peers:
+                o = int(seg.offsets[r])
+                reqs += self._start([mpi.Isend(sp.outgoing(seg.send, seg.h_send, o, o + int(seg.wire[r])), dest=r,
+                                               tag=_tag(i, 0))])
             sends[i, 0] = reqs
             # Counted like a plain all-reduce's message: this rank's encoded tensor
             # (the re-encoded chunk of the gather phase adds 1/P of it on the wire).
@@ -363,26 +487,30 @@ class _Run:
             seg = segs[i]
             self._wait(recvs.pop((i, 0)) + sends.pop((i, 0)))
             m, w = int(seg.counts[rank]), int(seg.wire[rank])
+            sp.arrived(seg.recv, seg.h_recv, 0, w * size)
             total = acc[:m]
             # The sum starts from this rank's own chunk in FP32 (the input is not yet
             # overwritten: segment i is written back in finish(i)), then adds the others
             # in rank order, each decoded and added in one pass.
-            np.copyto(total, flat[seg.chunk(rank)])
+            sp.copy(total, flat[seg.chunk(rank)])
             for r in range(size):
                 if r != rank:
                     self._decode_add(seg.recv[r * w:(r + 1) * w], m, total)
             if self.average:
-                np.multiply(total, np.float32(1.0 / size), out=total)
+                sp.scale(total, 1.0 / size)
             o = int(seg.offsets[rank])
-            self._encode(total, seg.gathered[o:o + w], Span((self.key, "s"), seg.chunk(rank).start, flat.size))
+            self._encode(total, seg.gathered[o:o + w], Span((self.key, "s"), seg.chunk(rank).start, n))
             # The gather sends the chunk straight to every rank rather than by an
             # all-gather: MPICH's ring and recursive doubling forward chunks through
             # other ranks, each of which must be inside MPI to pass them on.
-            sends[i, 1] = self._start([mpi.Isend(seg.gathered[o:o + w], dest=r, tag=_tag(i, 1)) for r in peers])
+            sp.ready()
+            chunk = sp.outgoing(seg.gathered, seg.h_gathered, o, o + w)
+            sends[i, 1] = self._start([mpi.Isend(chunk, dest=r, tag=_tag(i, 1)) for r in peers])
 
         def finish(i: int) -> None:
             seg = segs[i]
             self._wait(recvs.pop((i, 1)) + sends.pop((i, 1)))
+            sp.arrived(seg.gathered, seg.h_gathered, 0, int(seg.wire.sum()))
             for r in range(size):
                 o = int(seg.offsets[r])
                 self._decode(seg.gathered[o:o + int(seg.wire[r])], int(seg.counts[r]), result[seg.chunk(r)])
@@ -403,22 +531,25 @@ class _Run:
                 finish(i - 1)
         finish(len(segs) - 1)
 
-    def gathered(self, flat: np.ndarray, result: np.ndarray) -> None:
-        comm, size, n = self.comm, self.comm.size, flat.size
+    def gathered(self, flat: Any, result: Any) -> None:
+        comm, size, n, sp = self.comm, self.comm.size, int(flat.shape[0]), self.space
         w = self.codec.wire_nbytes(n)
-        mine = np.empty(w, dtype=np.uint8)
-        every = np.empty(w * size, dtype=np.uint8)
-        self._encode(flat, mine, (self.key, "g"))
-        self._wait([comm.mpi.Iallgather(mine, every)])
+        bufs = _cached(_plans, (*_comm_key(comm), self.codec.spec, n, "gathered", sp.key),
+                       lambda: _Gathered(w, size, sp))
+        self._encode(flat, bufs.mine, (self.key, "g"))
+        sp.ready()  # the encoding is done, and so are the previous call's kernels reading `every`
+        self._wait([comm.mpi.Iallgather(sp.outgoing(bufs.mine, bufs.h_mine, 0, w),
+                                        sp.incoming(bufs.every, bufs.h_every, 0, w * size))])
         self.wire_sent += w  # this rank's message: its encoded tensor
         if self.dry:
             return
+        sp.arrived(bufs.every, bufs.h_every, 0, w * size)
         t = _perf()
-        result.fill(0.0)
+        sp.zero(result)
         for r in range(size):  # same order on every rank: identical results
-            self.codec.decode_add(every[r * w:(r + 1) * w], n, result)
+            self.codec.decode_add(bufs.every[r * w:(r + 1) * w], n, result)
         if self.average:
-            np.multiply(result, np.float32(1.0 / size), out=result)
+            sp.scale(result, 1.0 / size)
         self.times["decode"] += _perf() - t
 
 
@@ -437,7 +568,9 @@ def compressed_allreduce(
 
     Args:
         comm: the communicator.
-        x: float array (numpy, torch or cupy; CUDA buffers are staged through host memory).
+        x: float array (numpy, torch or cupy). Device arrays are encoded and decoded on their
+            device when the codec has device kernels, with device buffers handed to a CUDA-aware
+            MPI or payloads staged through pinned host memory; otherwise through a host copy.
         op: "sum" or "avg" (a lossy codec cannot compute min/max).
         codec: spec string or codec object (see ``commwire.codecs.get``).
         out: optional array of x's shape and dtype for the result.
@@ -455,28 +588,34 @@ def compressed_allreduce(
     codec = resolve_codec(codec)
     if codec.lossless:
         return comm.allreduce(x, op, out=out, name=name)
-    error = adapter = host = None
+    error = adapter = host = space = dtype = None
     try:
         if _op_label(op) not in ("sum", "avg"):
             raise ValueError(f"op={op!r} cannot run on codec {codec.spec!r} payloads; use op='sum' or 'avg', "
                              "or codec=None")
         adapter = adapter_for(x)
-        host = adapter.host(x)
-        if host.dtype.kind != "f" and host.dtype.name != "bfloat16":
-            raise TypeError(f"codec {codec.spec!r} needs a float array, got {host.dtype}; pass codec=None for "
+        space = device_space(comm, codec, x)
+        if space is None:
+            host = adapter.host(x)
+            dtype = host.dtype
+        else:
+            dtype = arrays.device_ops(x).numpy_dtype(x)  # no copy: the data stays on the device
+        if dtype.kind != "f" and dtype.name != "bfloat16":
+            raise TypeError(f"codec {codec.spec!r} needs a float array, got {dtype}; pass codec=None for "
                             "integers")
         _check_out(x, out, "compressed allreduce")
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it (Communicator._guarded)
         error = exc
-    shape, dtype = (host.shape, str(host.dtype)) if host is not None else _describe(x)
-    sig = ("compressed_allreduce", name, shape, dtype, _op_label(op), None, (codec.spec, segment_bytes, small_bytes),
-           _device_of(x))
+    shape = tuple(int(d) for d in x.shape) if dtype is not None else None
+    shape, dtype_label = (shape, str(dtype)) if dtype is not None else _describe(x)
+    sig = ("compressed_allreduce", name, shape, dtype_label, _op_label(op), None,
+           (codec.spec, segment_bytes, small_bytes), _device_of(x))
     average = sig[4] != "sum"
+    key = name if name is not None else ("shape", shape)
 
-    def run() -> Any:
+    def run_host() -> Any:
         assert host is not None and adapter is not None
         start = _perf()
-        key = name if name is not None else ("shape", host.shape)
         flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
         flat = codec.tensor_forward(flat, key)
         small = flat.size * 4 < small_bytes or comm.size == 1
@@ -496,14 +635,36 @@ def compressed_allreduce(
             shaped = result.reshape(host.shape)
             final = shaped if host.dtype == _F32 else shaped.astype(host.dtype)
             value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
-        end = _perf()
-        counters = comm.counters
-        counters.record("compressed_allreduce", run.wire_sent, end - start, input_bytes=host.nbytes)
-        counters.record_codec(codec.spec, run.encoded_elems * 4, run.encoded_wire, run.encoded_elems)
-        counters.add("compressed_allreduce_phases", **run.times)
-        if comm.timeline is not None:
-            comm.timeline.add(name or "compressed_allreduce", start, end, op="compressed_allreduce",
-                              codec=codec.spec, bytes=run.wire_sent, **{k + "_s": v for k, v in run.times.items()})
+        _account(comm, codec, name, run, start, host.nbytes)
+        return value
+
+    def run_device() -> Any:
+        assert space is not None and dtype is not None
+        start = _perf()
+        kind = _arrays.kind_of(x)
+        t = _arrays.to_torch(x).detach()
+        flat = t.reshape(-1)
+        if flat.dtype != space.torch.float32 or not flat.is_contiguous():
+            flat = flat.to(space.torch.float32).contiguous()
+        flat = codec.tensor_forward(flat, key)
+        target = None if out is None else _arrays.to_torch(out).detach()
+        # Decode straight into a float32 `out` (out=x included: the pipeline overwrites only
+        # segments it has encoded, and the kernels run in stream order).
+        into_out = (target is not None and target.dtype == space.torch.float32 and target.is_contiguous()
+                    and (out is x or not _overlaps(target, flat)))
+        result = target.reshape(-1) if into_out else space.empty_f32(int(flat.shape[0]))
+        run = _reduce_flat(comm, codec, key, flat, result, average, segment_bytes, small_bytes, space=space)
+        codec.tensor_inverse(result, key)
+        if into_out:
+            value = out
+        else:
+            final = result.reshape(t.shape).to(t.dtype)
+            if target is not None:
+                target.copy_(final)
+                value = out
+            else:
+                value = _arrays.from_torch(final, kind)
+        _account(comm, codec, name, run, start, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         return value
 
     def dummy(agreed_sig: tuple[Any, ...]) -> None:
@@ -511,19 +672,71 @@ def compressed_allreduce(
         flat = np.zeros(n, dtype=_F32)
         _reduce_flat(comm, codec, None, flat, np.empty_like(flat), average, segment_bytes, small_bytes, dry=True)
 
-    return comm._guarded(("compressed_allreduce", name), sig, error, run, dummy)
+    return comm._guarded(("compressed_allreduce", name), sig, error, run_host if space is None else run_device,
+                         dummy)
 
 
-def _reduce_flat(comm: Communicator, codec: Codec, key: Hashable, flat: np.ndarray, result: np.ndarray,
-                 average: bool, segment_bytes: int | None, small_bytes: int, dry: bool = False) -> _Run:
+def _account(comm: Communicator, codec: Codec, name: str | None, run: _Run, start: float, input_bytes: int) -> None:
+    """Record one compressed all-reduce in the counters and the timeline."""
+    end = _perf()
+    counters = comm.counters
+    counters.record("compressed_allreduce", run.wire_sent, end - start, input_bytes=input_bytes)
+    counters.record_codec(codec.spec, run.encoded_elems * 4, run.encoded_wire, run.encoded_elems)
+    counters.add("compressed_allreduce_phases", **run.times)
+    if comm.timeline is not None:
+        comm.timeline.add(name or "compressed_allreduce", start, end, op="compressed_allreduce",
+                          codec=codec.spec, bytes=run.wire_sent, **{k + "_s": v for k, v in run.times.items()})
+
+
+_DEVICE_MODULES = frozenset(("commwire.codecs.casts", "commwire.codecs.fp8", "commwire.codecs.nvfp4",
+                             "commwire.codecs.feedback", "commwire.codecs.pipeline", "commwire.codecs.hadamard"))
+"""Codec stages whose kernels run on torch tensors on any device (``_torch_kernels``)."""
+
+
+def has_device_kernels(codec: Codec) -> bool:
+    """Return whether every stage of ``codec`` (and its transforms) runs on torch tensors on their device."""
+    parts: list[Any] = []
+    for stage in codec.stages:
+        parts.append(stage)
+        transform = getattr(stage, "transform", None)
+        if transform is not None:
+            parts.append(transform)
+    return all(type(p).__module__ in _DEVICE_MODULES for p in parts)
+
+
+def device_space(comm: Communicator, codec: Codec, x: Any) -> _DeviceSpace | None:
+    """Return where a compressed all-reduce of ``x`` keeps its buffers: on x's device, or None for host memory.
+
+    On the device when ``x`` is a device array (or stands in for one: ``arrays.cpu_standin``) and the
+    codec has device kernels; MPI then gets the device buffers if ``comm.cuda_aware``, else pinned
+    host mirrors. Each rank decides alone: every choice sends the same messages.
+    """
+    if not arrays.is_device_array(x) or not has_device_kernels(codec):
+        return None
+    try:
+        like = _arrays.to_torch(x)  # cupy arrays run through torch (DLPack, zero copy)
+    except ImportError:
+        return None
+    return _DeviceSpace(like, staged=not comm.cuda_aware)
+
+
+def _overlaps(a: Any, b: Any) -> bool:
+    """Return whether two torch tensors' memory ranges overlap."""
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    return lo_a < lo_b + b.numel() * b.element_size() and lo_b < lo_a + a.numel() * a.element_size()
+
+
+def _reduce_flat(comm: Communicator, codec: Codec, key: Hashable, flat: Any, result: Any, average: bool,
+                 segment_bytes: int | None, small_bytes: int, dry: bool = False, space: _HostSpace = _HOST) -> _Run:
     """Reduce one flat FP32 vector into ``result`` (a dry run moves zeros in the same message pattern)."""
-    run = _Run(comm, codec, key, average, dry=dry)
-    if flat.size * 4 < small_bytes or comm.size == 1:
+    run = _Run(comm, codec, key, average, dry=dry, space=space)
+    n = int(flat.shape[0])
+    if n * 4 < small_bytes or comm.size == 1:
         run.gathered(flat, result)
     elif segment_bytes:
         run.pipelined(flat, result, segment_bytes)
     else:
-        tuner = _tuner(comm, codec, flat.size)
+        tuner = _tuner(comm, codec, n)
         seg = tuner.next()
         t0 = _perf()
         run.pipelined(flat, result, seg)
@@ -537,4 +750,5 @@ def compressed_allreduce_async(comm: Communicator, x: Any, op: str = "sum", *, c
     codec = resolve_codec(codec)
     if codec.lossless:
         return comm.allreduce_async(x, op, out=out, name=name)
-    return lane_for(comm).submit(compressed_allreduce, x, op, codec=codec, out=out, name=name, **kwargs)
+    # Through the communicator: CUDA tensors' device work is ordered with the caller's stream.
+    return comm.submit(compressed_allreduce, x, op, codec=codec, out=out, name=name, **kwargs)

@@ -5,12 +5,29 @@ input where possible) or, for CUDA buffers with a CUDA-aware MPI, on the device
 array itself. One adapter per array kind turns an input into that buffer and
 turns a result buffer back into the input's kind, on the input's device.
 
+Device arrays (torch CUDA tensors, cupy arrays) are prepared on their device
+in both modes by :class:`DeviceOps` (contiguous copy, float32 work copy of the
+half types, the order-preserving integer form of float min/max): a CUDA-aware
+MPI then gets the device buffers, otherwise they are staged through pinned host
+memory. Stream rules: MPI knows no CUDA streams, so the current stream is
+synchronised before MPI reads a device buffer; a collective that runs on a
+background lane runs its device work on a side stream ordered after the
+caller's work at submission (:class:`StreamOrder`), and the caller's stream
+waits for it when the handle is waited for.
+
+``cpu_standin()`` makes torch CPU tensors count as device arrays, so that the
+device paths (and their agreement) run and are tested on machines without a GPU:
+mpi4py takes torch CPU tensors as buffers (DLPack) as it takes CUDA ones.
+
 torch and cupy are imported lazily, only when such an array is passed in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -19,11 +36,17 @@ import numpy as np
 __all__ = [
     "SUPPORTED_DTYPES",
     "Adapter",
+    "DeviceOps",
     "Invalid",
+    "StreamOrder",
     "adapter_for",
     "check_dtype",
+    "cpu_standin",
+    "device_ops",
     "dtype_name",
     "host_view",
+    "is_device_array",
+    "stream_order",
 ]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -112,7 +135,7 @@ class _TorchAdapter(Adapter):
         # release() once the collective that used it has completed.
         key = (t.dtype, t.numel())
         pool = self._pool.setdefault(key, [])
-        buf = pool.pop() if pool else self.torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+        buf = pool.pop() if pool else self.torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.is_cuda)
         buf.copy_(t.reshape(-1))
         self._lent[buf.data_ptr()] = (key, buf)
         return buf.view(t.shape)
@@ -207,15 +230,352 @@ def adapter_for(x: Any) -> Adapter:
     return adapter
 
 
+_standin = False  # cpu_standin(): torch CPU tensors take the device paths
+
+
+@contextlib.contextmanager
+def cpu_standin(enabled: bool = True) -> Iterator[None]:
+    """Make torch CPU tensors count as device arrays inside the block (testing the device paths without a GPU).
+
+    Every rank must enter it alike: whether an array is a device one is part of
+    a collective's agreed signature.
+    """
+    global _standin
+    before, _standin = _standin, bool(enabled)
+    try:
+        yield
+    finally:
+        _standin = before
+
+
 def is_device_array(x: Any) -> bool:
-    """Return True if ``x`` lives in GPU memory (torch CUDA tensor or cupy array)."""
+    """Return True if ``x`` lives in GPU memory (torch CUDA tensor or cupy array), or stands in for such."""
     if type(x) is np.ndarray:
         return False
     if hasattr(x, "is_cuda"):
-        return bool(x.is_cuda)
+        return bool(x.is_cuda) or (_standin and type(x).__module__.startswith("torch"))
     return hasattr(x, "__cuda_array_interface__")
 
 
 def host_view(x: Any) -> np.ndarray:
     """Return a contiguous numpy view (or copy) of any supported array."""
     return adapter_for(x).host(x)
+
+
+# ------------------------------------------------------------------ device arrays
+class DeviceOps:
+    """The device-array operations the collectives need, for one library (torch or cupy).
+
+    Every operation stays on the array's device and queues on the current
+    stream; ``synchronize`` waits for that stream (MPI knows no streams).
+    """
+
+    lib: Any
+
+    def numpy_dtype(self, x: Any) -> np.dtype:
+        """Return the numpy dtype of ``x``'s elements (ml_dtypes' bfloat16 for bfloat16)."""
+        raise NotImplementedError
+
+    def synchronize(self, x: Any) -> None:
+        """Wait for the work queued on the current stream of ``x``'s device."""
+        raise NotImplementedError
+
+    def ordered(self, x: Any, op: str) -> Any:
+        """Return float32/float64 ``x`` as integers whose order is the floats' order, NaN winning ``op``.
+
+        MPI's MIN/MAX on these are exact, deterministic and need no Python
+        reduction (which would read device memory as host memory); NaN becomes
+        the integer extreme that wins ``op``, so it propagates as numpy's does.
+        """
+        itype, mask = self._ordered_type(x)
+        bits = x.view(itype)
+        code = self.lib.where(bits < 0, bits ^ mask, bits)
+        extreme = self._iinfo(itype)
+        return self.lib.where(self.lib.isnan(x), extreme.min if op == "min" else extreme.max, code)
+
+    def unordered(self, code: Any, dtype: np.dtype) -> Any:
+        """Invert :meth:`ordered`: return the floats (of ``dtype``) the integers stand for."""
+        itype, mask = self._ordered_type(code)
+        return self.lib.where(code < 0, code ^ mask, code).view(self.dtype(dtype))
+
+    def _ordered_type(self, x: Any) -> tuple[Any, int]:
+        wide = x.dtype in (self.dtype(np.dtype(np.float64)), self.dtype(np.dtype(np.int64)))
+        if wide:
+            return self.dtype(np.dtype(np.int64)), (1 << 63) - 1
+        return self.dtype(np.dtype(np.int32)), (1 << 31) - 1
+
+    def dtype(self, dtype: np.dtype) -> Any:
+        """Return this library's dtype for a numpy dtype."""
+        raise NotImplementedError
+
+    def _iinfo(self, itype: Any) -> Any:
+        return self.lib.iinfo(itype)
+
+
+class _TorchOps(DeviceOps):
+    def __init__(self, torch: Any) -> None:
+        self.lib = torch
+        self._pool: dict[tuple[Any, int], list[Any]] = {}
+        self._lent: dict[int, tuple[tuple[Any, int], Any]] = {}
+        self._lock = threading.Lock()
+
+    def numpy_dtype(self, x: Any) -> np.dtype:
+        if x.dtype == self.lib.bfloat16:
+            return BFLOAT16
+        try:
+            return np.dtype(dtype_name(x.dtype))
+        except TypeError:
+            raise TypeError(f"dtype {dtype_name(x.dtype)} is not supported; cast the tensor first") from None
+
+    def dtype(self, dtype: np.dtype) -> Any:
+        return getattr(self.lib, "bfloat16" if dtype == BFLOAT16 else np.dtype(dtype).name)
+
+    def contiguous(self, x: Any) -> Any:
+        return x.detach().contiguous()
+
+    def is_contiguous(self, x: Any) -> bool:
+        return bool(x.is_contiguous())
+
+    def clone(self, x: Any) -> Any:
+        return x.detach().clone(memory_format=self.lib.contiguous_format)
+
+    def float32(self, x: Any) -> Any:
+        return x.detach().to(self.lib.float32).contiguous()
+
+    def cast(self, x: Any, dtype: np.dtype) -> Any:
+        return x.to(self.dtype(dtype))
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
+        return self.lib.empty(shape, dtype=self.dtype(dtype), device=like.device)
+
+    def bytes(self, x: Any) -> Any:
+        flat = x.reshape(-1)
+        return flat if flat.dtype == self.lib.uint8 else flat.view(self.lib.uint8)
+
+    def divide_(self, x: Any, size: int) -> Any:
+        return x.div_(size)
+
+    def copy_into(self, out: Any, result: Any) -> None:
+        out.copy_(result.reshape(out.shape))
+
+    def flat_copy(self, target: Any, source: Any) -> None:
+        target.copy_(source.reshape(-1))
+
+    def set_item(self, buf: Any, i: int, value: Any) -> None:
+        buf[i] = value
+
+    def item(self, buf: Any, i: int) -> Any:
+        return buf[i].item()
+
+    def synchronize(self, x: Any) -> None:
+        if x.is_cuda:
+            self.lib.cuda.current_stream(x.device).synchronize()
+
+    def _iinfo(self, itype: Any) -> Any:
+        return self.lib.iinfo(itype)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """Return a host copy of contiguous ``x`` for MPI (pinned and pooled for CUDA tensors; see release)."""
+        if not x.is_cuda:
+            return _torch_numpy(x.detach().clone())
+        key = (x.dtype, x.numel())
+        with self._lock:
+            pool = self._pool.setdefault(key, [])
+            buf = pool.pop() if pool else self.lib.empty(x.numel(), dtype=x.dtype, pin_memory=True)
+            self._lent[buf.data_ptr()] = (key, buf)
+        buf.copy_(x.reshape(-1))  # synchronous: waits for the current stream's work on x
+        return _torch_numpy(buf).reshape(tuple(x.shape))
+
+    def from_host(self, host: np.ndarray, like: Any) -> Any:
+        """Return ``host`` as a tensor on ``like``'s device (a copy), and return its staging buffer to the pool."""
+        t = self.lib.from_numpy(host.view(np.int16)).view(self.lib.bfloat16) if host.dtype == BFLOAT16 else \
+            self.lib.from_numpy(host)
+        result = t.to(like.device, copy=True)
+        self.release(host)
+        return result
+
+    def release(self, host: np.ndarray) -> None:
+        """Return a staging buffer of :meth:`to_host` to the pool (no-op for other arrays)."""
+        with self._lock:
+            entry = self._lent.pop(host.__array_interface__["data"][0], None)
+            if entry is not None:
+                self._pool[entry[0]].append(entry[1])
+
+
+def _torch_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    return t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class _CupyOps(DeviceOps):
+    def __init__(self, cupy: Any) -> None:
+        self.lib = cupy
+
+    def numpy_dtype(self, x: Any) -> np.dtype:
+        return np.dtype(x.dtype)
+
+    def dtype(self, dtype: np.dtype) -> Any:
+        return np.dtype(dtype)
+
+    def contiguous(self, x: Any) -> Any:
+        return self.lib.ascontiguousarray(x)
+
+    def is_contiguous(self, x: Any) -> bool:
+        return bool(x.flags.c_contiguous)
+
+    def clone(self, x: Any) -> Any:
+        return self.lib.array(x, order="C", copy=True)
+
+    def float32(self, x: Any) -> Any:
+        return self.lib.ascontiguousarray(x, dtype=self.lib.float32)
+
+    def cast(self, x: Any, dtype: np.dtype) -> Any:
+        return x.astype(dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
+        with self.lib.cuda.Device(like.device.id):
+            return self.lib.empty(shape, dtype=dtype)
+
+    def bytes(self, x: Any) -> Any:
+        return x.reshape(-1).view(self.lib.uint8)
+
+    def divide_(self, x: Any, size: int) -> Any:
+        x /= size
+        return x
+
+    def copy_into(self, out: Any, result: Any) -> None:
+        out[...] = result.reshape(out.shape)
+
+    def flat_copy(self, target: Any, source: Any) -> None:
+        target[...] = source.reshape(-1)
+
+    def set_item(self, buf: Any, i: int, value: Any) -> None:
+        buf[i] = value
+
+    def item(self, buf: Any, i: int) -> Any:
+        return buf[i].item()
+
+    def synchronize(self, x: Any) -> None:
+        self.lib.cuda.get_current_stream().synchronize()
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return self.lib.asnumpy(x)
+
+    def from_host(self, host: np.ndarray, like: Any) -> Any:
+        with self.lib.cuda.Device(like.device.id):
+            return self.lib.asarray(host)
+
+    def release(self, host: np.ndarray) -> None:
+        """Nothing to return: cupy's copies are plain host arrays."""
+
+
+_device_ops: dict[str, DeviceOps] = {}
+
+
+def device_ops(x: Any) -> DeviceOps:
+    """Return the :class:`DeviceOps` of a device array's library (torch or cupy)."""
+    lib = "torch" if type(x).__module__.startswith("torch") else "cupy"
+    ops = _device_ops.get(lib)
+    if ops is None:
+        ops = _device_ops[lib] = _TorchOps(sys.modules["torch"]) if lib == "torch" else _CupyOps(sys.modules["cupy"])
+    return ops
+
+
+# ------------------------------------------------------------------ stream order
+_side_streams: dict[Any, Any] = {}
+_side_lock = threading.Lock()
+
+
+class StreamOrder:
+    """Order a collective run on another thread (a lane) with the caller's CUDA stream.
+
+    Made on the caller's thread: it records an event on the caller's current
+    stream. On the worker, :meth:`worker` runs the device work on a side stream
+    that first waits for that event (so MPI sees everything the caller queued
+    before submitting, and nothing queued later delays it), and records a done
+    event. :meth:`join`, on the caller's thread, makes the caller's current
+    stream wait for the done event and tells torch's caching allocator that the
+    results are used there (``record_stream``). Run on the caller's own thread,
+    it does nothing: the caller's stream orders everything already.
+    """
+
+    __slots__ = ("_torch", "_device", "_event", "_thread", "_done")
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self._torch, self._device = torch, device
+        self._thread = threading.get_ident()
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+        self._done: Any = None
+
+    @contextlib.contextmanager
+    def worker(self) -> Iterator[None]:
+        """Run the block in order after the caller's work (on a side stream when on another thread)."""
+        if threading.get_ident() == self._thread:
+            yield
+            return
+        torch = self._torch
+        side = _side_stream(torch, self._device)
+        side.wait_event(self._event)
+        with torch.cuda.stream(side):
+            try:
+                yield
+            finally:
+                done = torch.cuda.Event()
+                done.record(side)
+                self._done = done
+
+    def join(self, result: Any) -> Any:
+        """Make the caller's current stream wait for the worker's device work; return ``result``."""
+        done = self._done
+        if done is None:
+            return result
+        current = self._torch.cuda.current_stream(self._device)
+        current.wait_event(done)
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, self._torch.Tensor) and t.is_cuda:
+                t.record_stream(current)
+        return result
+
+
+class _CupyOrder(StreamOrder):
+    """cupy's version: the worker queues on the caller's stream itself (cupy has no ``record_stream``)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, cupy: Any) -> None:  # noqa: D107 - see the class
+        self._thread = threading.get_ident()
+        self._stream = cupy.cuda.get_current_stream()
+        self._done = None
+
+    @contextlib.contextmanager
+    def worker(self) -> Iterator[None]:
+        if threading.get_ident() == self._thread:
+            yield
+            return
+        with self._stream:
+            yield
+
+    def join(self, result: Any) -> Any:
+        return result
+
+
+def _side_stream(torch: Any, device: Any) -> Any:
+    with _side_lock:
+        stream = _side_streams.get(str(device))
+        if stream is None:
+            stream = _side_streams[str(device)] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def stream_order(*values: Any) -> StreamOrder | None:
+    """Return a :class:`StreamOrder` for the first CUDA array among ``values`` (None when there is none)."""
+    for x in values:
+        if type(x) is np.ndarray or x is None:
+            continue
+        if getattr(x, "is_cuda", False):
+            return StreamOrder(sys.modules["torch"], x.device)
+        if hasattr(x, "__cuda_array_interface__") and type(x).__module__.startswith("cupy"):
+            return _CupyOrder(sys.modules["cupy"])
+    return None

@@ -26,6 +26,15 @@ are rounded back once (commwire.comm.reduce). Non-blocking variants run the
 blocking collective on the communicator's background lane (commwire.comm.lane),
 on a duplicate communicator, so they make progress while the caller computes
 and never interleave with the caller's own collectives.
+
+Device arrays (torch CUDA tensors, cupy arrays; commwire.comm.arrays) take one
+of two paths in every collective: with ``cuda_aware=True`` the device buffers
+go to MPI directly, otherwise they are staged through host memory. Both send
+the same messages, so the choice is each rank's own; what the messages are
+(dtype on the wire, MPI op) depends only on the agreed signature. Reductions
+prepare their work buffer on the device in both paths, and float min/max of
+device arrays travel as order-preserving integers reduced by MPI's own MIN/MAX
+(a Python-defined MPI op would read device memory as host memory).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import arrays
-from .arrays import HALF_DTYPES, adapter_for, check_dtype, dtype_name
+from .arrays import HALF_DTYPES, DeviceOps, adapter_for, check_dtype, device_ops, dtype_name, stream_order
 from .check import Round, exchange
 from .handle import Handle, in_lane, wait_requests
 from .reduce import REDUCE_OPS, check_reduction, flag_values, mpi_op, normalize_op, work_dtype
@@ -181,7 +190,7 @@ class Communicator:
         self._agreed.pop(key, None)
         if len(self._agreed) >= _VERIFIED_KEYS:
             self._agreed.popitem(last=False)
-        self._agreed[key] = _agreed_entry(sig, self.size, self.cuda_aware)
+        self._agreed[key] = _agreed_entry(sig, self.size)
 
     def _flag_start(self, deviates: bool) -> tuple[Any, np.ndarray, np.ndarray]:
         mine = np.array([int(deviates)], dtype=np.int32)
@@ -254,22 +263,30 @@ class Communicator:
     def _device_direct(self, x: Any) -> bool:
         return self.cuda_aware and arrays.is_device_array(x)
 
-    def submit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Handle:
+    def submit(self, method: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Handle:
         """Run ``method(lane_comm, *args, **kwargs)`` on this communicator's background lane; return its handle.
 
         The lane runs submissions one at a time, in order, on a duplicate of
         this communicator (every rank must submit the same collectives in the
         same order). Without MPI thread level "multiple" it runs them at once.
+        CUDA arrays among the arguments order the lane's device work after the
+        work queued on this thread's current stream, and the handle's
+        ``wait()`` makes the waiting thread's stream wait for it
+        (``commwire.comm.arrays.StreamOrder``). ``label`` names the handle
+        (default: the ``name`` argument).
         """
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             # No background lane without thread level "multiple": run now (a completed handle
             # keeps every rank's order of collectives intact).
-            return _Done(method(self, *args, **kwargs), kwargs.get("name"))
+            return _Done(method(self, *args, **kwargs), label or kwargs.get("name"))
         from .lane import lane_for
 
-        return lane_for(self).submit(method, *args, **kwargs)
+        order = stream_order(*args, *kwargs.values())
+        if order is None:
+            return lane_for(self).submit(method, *args, label=label, **kwargs)
+        return _Ordered(lane_for(self).submit(_in_order, order, method, *args, label=label, **kwargs), order)
 
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``method(lane_comm, *args, **kwargs)`` in order with the lane's work and return its result.
@@ -283,7 +300,10 @@ class Communicator:
             return method(self, *args, **kwargs)
         from .lane import lane_for
 
-        return lane_for(self).call(method, *args, **kwargs)
+        order = stream_order(*args, *kwargs.values())
+        if order is None:
+            return lane_for(self).call(method, *args, **kwargs)
+        return order.join(lane_for(self).call(_in_order, order, method, *args, **kwargs))
 
     # ------------------------------------------------------------- allreduce
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None, name: str | None = None) -> Any:
@@ -396,15 +416,15 @@ class Communicator:
 
         def fused(agreed: _Agreed, deviates: bool) -> tuple[Any, bool]:
             n, wdt, mop, valid, deviating, _ = agreed.fused
-            buf = np.zeros(n + 1, dtype=wdt)
-            if not deviates:  # the agreed signature is a host one (see _agreed_entry), so is this rank's
-                assert plan is not None and not plan.device
-                buf[:n] = plan.work.reshape(-1)
-            buf[n] = deviating if deviates else valid
+            if deviates:
+                buf = np.zeros(n + 1, dtype=wdt)
+                buf[n] = deviating
+            else:  # this rank's signature is the agreed one: its work buffer has the wire dtype
+                assert plan is not None
+                buf = plan.fused_buffer(n, valid)
             self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (self._MPI.IN_PLACE, buf, mop))
-            if buf[n] != valid:
+            if deviates or plan is None or plan.flag(buf, n) != valid:
                 return None, True
-            assert plan is not None
             return plan.finish(buf[:n].reshape(plan.shape)), False
 
         # Which path a call takes depends only on the agreed entry, never on this rank's arguments,
@@ -423,43 +443,44 @@ class Communicator:
     def allgather(self, x: Any, *, name: str | None = None) -> Any:
         """Concatenate every rank's ``x`` along the first dimension (sizes may differ)."""
         start = _perf()
-        error = send = adapter = None
+        error = send = adapter = dev = dtype = None
         try:
-            adapter = adapter_for(x)
-            send = adapter.host(x)
-            check_dtype(send.dtype)
+            dev, send, dtype, adapter = self._send_buffer(x)
             if send.ndim == 0:
                 send = send.reshape(1)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
         trailing = tuple(send.shape[1:]) if send is not None else _describe(x)[0]
-        sig = ("allgather", name, trailing, dtype_name(send.dtype) if send is not None else _describe(x)[1],
+        sig = ("allgather", name, trailing, dtype_name(dtype) if send is not None else _describe(x)[1],
                None, None, None, _device_of(x))
         mpi = self.mpi
 
-        def gather(rows: int, buf: np.ndarray, row_shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        def gather(rows: int, buf: Any, row_shape: tuple[int, ...], dtype: np.dtype, dev: DeviceOps | None) -> Any:
             counts = np.empty(self.size, dtype=np.int64)
             self._move("allgather sizes", name, mpi.Allgather, mpi.Iallgather,
                        (np.array([rows], dtype=np.int64), counts))
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
-            recv = np.empty((int(counts.sum()),) + row_shape, dtype=dtype)
+            recv = _empty(dev, (int(counts.sum()),) + row_shape, dtype, buf)
             nbytes = counts * row_bytes
             displs = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
-            spec = [recv.reshape(-1).view(np.uint8), (nbytes, displs), self._MPI.BYTE]
-            self._move("allgather", name, mpi.Allgatherv, mpi.Iallgatherv, (buf.reshape(-1).view(np.uint8), spec))
+            spec = [_bytes(dev, recv), (nbytes, displs), self._MPI.BYTE]
+            self._move("allgather", name, mpi.Allgatherv, mpi.Iallgatherv, (_ready_bytes(dev, buf), spec))
             return recv
 
         def run() -> Any:
-            assert send is not None and adapter is not None
-            recv = gather(send.shape[0], send, tuple(send.shape[1:]), send.dtype)
+            assert send is not None and dtype is not None
+            recv = gather(send.shape[0], send, tuple(send.shape[1:]), dtype, dev)
+            if dev is not None:
+                return recv
+            assert adapter is not None
             adapter.release(send)
             return adapter.wrap(recv, x)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]), _np_dtype(agreed_sig[3]))
+            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]), _np_dtype(agreed_sig[3]), None)
 
         result = self._guarded(("allgather", name), sig, error, run, dummy)
-        self._record("allgather", name, send.nbytes if send is not None else 0, start)
+        self._record("allgather", name, int(send.nbytes) if send is not None else 0, start)
         return result
 
     def allgather_async(self, x: Any, *, name: str | None = None) -> Handle:
@@ -470,20 +491,21 @@ class Communicator:
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Any:
         """Return root's ``x`` on every rank (every rank passes an array of that shape)."""
         start = _perf()
-        error = send = adapter = None
+        error = send = adapter = dev = np_dtype = None
         try:
             self._check_root(root)
-            adapter = adapter_for(x)
-            send = adapter.host(x)
-            check_dtype(send.dtype)
+            dev, send, np_dtype, adapter = self._send_buffer(x)
             _check_out(x, out, "broadcast")
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
-        shape, dtype = (tuple(send.shape), dtype_name(send.dtype)) if send is not None else _describe(x)
+        shape, dtype = (tuple(send.shape), dtype_name(np_dtype)) if send is not None else _describe(x)
         sig = ("broadcast", name, shape, dtype, None, root, None, _device_of(x))
 
         def run() -> Any:
-            assert send is not None and adapter is not None
+            assert send is not None
+            if dev is not None:
+                return self._bcast_device(dev, x, send, np_dtype, root, out, name)
+            assert adapter is not None
             if out is x and adapter.kind == "numpy":
                 buf = send
             elif self.rank == root:
@@ -500,7 +522,7 @@ class Communicator:
             self._bcast(np.zeros(_nbytes(agreed_sig[2], agreed_sig[3]), dtype=np.uint8), agreed_sig[5], name)
 
         result = self._guarded(("broadcast", name), sig, error, run, dummy)
-        self._record("broadcast", name, send.nbytes if send is not None else 0, start)
+        self._record("broadcast", name, int(send.nbytes) if send is not None else 0, start)
         return result
 
     def broadcast_async(self, x: Any, root: int = 0, *, out: Any = None, name: str | None = None) -> Handle:
@@ -509,6 +531,38 @@ class Communicator:
 
     def _bcast(self, buf: np.ndarray, root: int, name: str | None) -> None:
         self._move("broadcast", name, self.mpi.Bcast, self.mpi.Ibcast, (buf.reshape(-1).view(np.uint8), root))
+
+    def _bcast_device(self, dev: DeviceOps, x: Any, send: Any, dtype: np.dtype, root: int, out: Any,
+                      name: str | None) -> Any:
+        """Broadcast a device array with device buffers (CUDA-aware MPI)."""
+        if out is x and dev.is_contiguous(x):
+            buf = send  # x's own memory: broadcast in place
+        elif self.rank == root:
+            buf = dev.clone(send)
+        else:
+            buf = dev.empty(tuple(send.shape), dtype, send)
+        self._move("broadcast", name, self.mpi.Bcast, self.mpi.Ibcast, (_ready_bytes(dev, buf), root))
+        if out is None:
+            return buf
+        if buf is not send:
+            dev.copy_into(out, buf)
+        return out
+
+    def _send_buffer(self, x: Any) -> tuple[DeviceOps | None, Any, np.dtype, Any]:
+        """Return (device ops or None, the buffer MPI sends, its numpy dtype, host adapter) of a data move.
+
+        Device arrays go to MPI as themselves on a CUDA-aware communicator; everything else as a
+        host view (device arrays staged through host memory by their adapter).
+        """
+        if self._device_direct(x):
+            dev = device_ops(x)
+            dtype = dev.numpy_dtype(x)
+            check_dtype(dtype)
+            return dev, dev.contiguous(x), dtype, None
+        adapter = adapter_for(x)
+        send = adapter.host(x)
+        check_dtype(send.dtype)
+        return None, send, send.dtype, adapter
 
     # -------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, x: Any, op: str = "sum", *, name: str | None = None, counts: Any = None) -> Any:
@@ -523,7 +577,7 @@ class Communicator:
         try:
             if normalize_op(op) == "adasum":
                 raise NotImplementedError("reduce_scatter does not support op='adasum'; use allreduce(op='adasum')")
-            plan = _Reduction(self, x, op, None, device_ok=False)
+            plan = _Reduction(self, x, op, None)
             if plan.work.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension, got a scalar; "
                                  "reshape it to (1,) or use allreduce")
@@ -535,16 +589,22 @@ class Communicator:
         if counts is not None:
             sig = sig[:6] + (tuple(int(c) for c in np.asarray(counts).reshape(-1)),) + sig[7:]
 
-        def scatter(work: np.ndarray, mop: Any, rows: np.ndarray) -> np.ndarray:
-            row_elems = int(np.prod(work.shape[1:], dtype=np.int64))
-            recv = np.empty((int(rows[self.rank]),) + work.shape[1:], dtype=work.dtype)
+        def scatter(work: Any, mop: Any, rows: np.ndarray, recv: Any = None) -> Any:
+            row_elems = int(np.prod(tuple(work.shape[1:]), dtype=np.int64))
+            if recv is None:
+                recv = np.empty((int(rows[self.rank]),) + tuple(work.shape[1:]), dtype=work.dtype)
             self._move("reduce_scatter", name, self.mpi.Reduce_scatter, self.mpi.Ireduce_scatter,
                        (work, recv, rows * row_elems, mop))
             return recv
 
         def run() -> Any:
             assert plan is not None and rows is not None
-            return plan.finish(scatter(plan.work, plan.mop, rows))
+            send = plan.mpi_send()
+            recv = plan.mpi_empty((int(rows[self.rank]),) + tuple(plan.work.shape[1:]))
+            try:
+                return plan.finish(scatter(send, plan.mop, rows, recv))
+            finally:
+                plan.release(send)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
             _, wdt, mop, _ = _reduction_of(agreed_sig)
@@ -577,45 +637,46 @@ class Communicator:
         divisible by the number of ranks). Rows beyond ``sum(splits)`` are not sent.
         """
         start = _perf()
-        error = send = adapter = counts = None
+        error = send = adapter = counts = dev = np_dtype = None
         try:
-            adapter = adapter_for(x)
-            send = adapter.host(x)
-            check_dtype(send.dtype)
+            dev, send, np_dtype, adapter = self._send_buffer(x)
             counts = _splits(send, splits, self.size)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
-        shape, dtype = (tuple(send.shape[1:]), dtype_name(send.dtype)) if send is not None and send.ndim else \
+        shape, dtype = (tuple(send.shape[1:]), dtype_name(np_dtype)) if send is not None and send.ndim else \
             _describe(x)
         sig = ("alltoall", name, shape, dtype, None, None, None, _device_of(x))
         mpi = self.mpi
 
-        def exchange_rows(rows: np.ndarray, buf: np.ndarray, row_shape: tuple[int, ...],
-                          dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        def exchange_rows(rows: np.ndarray, buf: Any, row_shape: tuple[int, ...], dtype: np.dtype,
+                          dev: DeviceOps | None) -> tuple[Any, np.ndarray]:
             received = np.empty(self.size, dtype=np.int64)
             self._move("alltoall sizes", name, mpi.Alltoall, mpi.Ialltoall, (rows, received))
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
-            recv = np.empty((int(received.sum()),) + row_shape, dtype=dtype)
+            recv = _empty(dev, (int(received.sum()),) + row_shape, dtype, buf)
             sb, rb = rows * row_bytes, received * row_bytes
             sd = np.concatenate(([0], np.cumsum(sb)[:-1]))
             rd = np.concatenate(([0], np.cumsum(rb)[:-1]))
             self._move("alltoall", name, mpi.Alltoallv, mpi.Ialltoallv,
-                       ([buf.reshape(-1).view(np.uint8), (sb, sd), self._MPI.BYTE],
-                        [recv.reshape(-1).view(np.uint8), (rb, rd), self._MPI.BYTE]))
+                       ([_ready_bytes(dev, buf), (sb, sd), self._MPI.BYTE],
+                        [_bytes(dev, recv), (rb, rd), self._MPI.BYTE]))
             return recv, received
 
         def run() -> Any:
-            assert send is not None and adapter is not None and counts is not None
-            recv, received = exchange_rows(counts, send, tuple(send.shape[1:]), send.dtype)
+            assert send is not None and counts is not None and np_dtype is not None
+            recv, received = exchange_rows(counts, send, tuple(send.shape[1:]), np_dtype, dev)
+            if dev is not None:
+                return recv, received
+            assert adapter is not None
             adapter.release(send)
             return adapter.wrap(recv, x), received
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
             exchange_rows(np.zeros(self.size, dtype=np.int64), np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]),
-                          _np_dtype(agreed_sig[3]))
+                          _np_dtype(agreed_sig[3]), None)
 
         result = self._guarded(("alltoall", name), sig, error, run, dummy)
-        self._record("alltoall", name, send.nbytes if send is not None else 0, start)
+        self._record("alltoall", name, int(send.nbytes) if send is not None else 0, start)
         return result
 
     # ---------------------------------------------------------------- objects
@@ -713,49 +774,80 @@ class _Reduction:
     """The prepared buffers of one reduction (all-reduce or reduce-scatter) on this rank.
 
     Building it validates everything a rank can check alone: array kind,
-    dtype, operation, ``out``.
+    dtype, operation, ``out``. Device arrays (but for Adasum, which runs on
+    host copies) get their work buffer on the device: a contiguous copy or x
+    itself, float32 for the half types, order-preserving integers for float
+    min/max (see ``_wire``); MPI then reads it there (``direct``) or a host
+    copy of it.
     """
 
-    __slots__ = ("comm", "x", "out", "adapter", "op", "dtype", "work", "send", "mop", "average", "device", "dev",
-                 "shape", "nbytes")
+    __slots__ = ("comm", "x", "out", "adapter", "op", "dtype", "work", "send", "mop", "average", "dev", "direct",
+                 "fresh", "ordered", "wire", "shape", "nbytes")
 
-    def __init__(self, comm: Communicator, x: Any, op: str, out: Any, device_ok: bool = True) -> None:
+    def __init__(self, comm: Communicator, x: Any, op: str, out: Any) -> None:
         self.comm, self.x, self.out = comm, x, out
         self.op = normalize_op(op)
-        self.device = device_ok and comm._device_direct(x) and self.op != "adasum"
-        if self.device:
-            self.dev = _DeviceOps(x)
+        on_device = arrays.is_device_array(x)
+        self.dev: DeviceOps | None = device_ops(x) if on_device and self.op != "adasum" else None
+        self.direct = self.dev is not None and comm.cuda_aware
+        if self.dev is not None:
             self.dtype = self.dev.numpy_dtype(x)
-            if self.op in ("min", "max") and (self.dtype.kind == "f" or self.dtype in HALF_DTYPES):
-                self.device = False  # NaN-propagating min/max run in Python: reduce host copies
-        if not self.device:
+        else:
             self.adapter = adapter_for(x)
             self.send = self.adapter.host(x)
             self.dtype = self.send.dtype
         check_dtype(self.dtype)
         check_reduction(self.op, self.dtype)
         _check_out(x, out, "allreduce")
-        self.mop = mpi_op(self.op, self.dtype) if self.op != "adasum" else None
+        self.wire, self.mop, self.ordered = _wire(self.dtype, self.op, on_device)
         self.average = self.op == "avg"
         self.shape = tuple(x.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         half = self.dtype in HALF_DTYPES
-        if self.device:
-            self.work = self.dev.contiguous(self.dev.to_float32(x) if half else x)
-            self.nbytes = int(self.work.nbytes)
+        if self.dev is not None:
+            dev = self.dev
+            work = dev.float32(x) if half else dev.contiguous(x)
+            if self.ordered:
+                work = dev.ordered(work, self.op)
+            self.work = work
+            self.fresh = half or self.ordered or not dev.is_contiguous(x)  # work is a copy of ours
         else:
             self.work = self.send.astype(work_dtype(self.dtype)) if half else self.send
-            self.nbytes = int(self.send.nbytes)
+            self.fresh = half
 
     def sig(self, name: str | None, operation: str = "allreduce") -> tuple[Any, ...]:
         """Return the signature every rank must agree on."""
         return (operation, name, self.shape, dtype_name(self.dtype), self.op, None, None,
                 "cuda" if arrays.is_device_array(self.x) else "cpu")
 
+    # MPI's buffers: the device work itself when direct, else host memory.
+    def mpi_send(self) -> Any:
+        """Return the buffer MPI reads this rank's contribution from (see ``release``)."""
+        if self.dev is None:
+            return self.work
+        if self.direct:
+            self.dev.synchronize(self.work)  # MPI knows no CUDA streams: queued work must be done
+            return self.work
+        return self.dev.to_host(self.work)
+
+    def mpi_empty(self, shape: tuple[int, ...]) -> Any:
+        """Return an uninitialised receive buffer of the wire dtype where MPI writes (device when direct)."""
+        if self.dev is not None and self.direct:
+            return self.dev.empty(shape, self.wire, self.work)
+        return np.empty(shape, dtype=self.wire)
+
+    def release(self, send: Any) -> None:
+        """Return a host staging buffer of ``mpi_send`` to its pool."""
+        if self.dev is not None and not self.direct:
+            self.dev.release(send)
+
     def buffers(self) -> tuple[Any, Any]:
         """Return (receive buffer, send buffer or MPI.IN_PLACE) for MPI_Allreduce."""
-        if self.device:
-            self.dev.synchronize(self.work)  # MPI knows no CUDA streams: queued work must be done
-            return self.dev.empty_like(self.work), self.work
+        if self.dev is not None:
+            if not self.direct or self.fresh or self.out is self.x:
+                # A buffer of ours (host copy, or device copy) or x's own memory for out=x: in place.
+                return self.mpi_send(), self.comm._MPI.IN_PLACE
+            return self.mpi_empty(tuple(self.work.shape)), self.mpi_send()
         out, x, send = self.out, self.x, self.send
         # Reduce straight into the caller's `out` when its memory can take the
         # result (same dtype and size, contiguous host memory): no extra copy.
@@ -768,17 +860,31 @@ class _Reduction:
                 return recv, send
         return np.empty_like(self.work), self.work
 
+    def fused_buffer(self, n: int, flag: Any) -> Any:
+        """Return this rank's work and the deviation flag in one buffer of n + 1 wire elements for MPI."""
+        if self.dev is not None and self.direct:
+            buf = self.dev.empty((n + 1,), self.wire, self.work)
+            self.dev.flat_copy(buf[:n], self.work)
+            self.dev.set_item(buf, n, flag)
+            self.dev.synchronize(buf)
+            return buf
+        buf = np.empty(n + 1, dtype=self.wire)
+        host = self.work if self.dev is None else self.dev.to_host(self.work)
+        buf[:n] = host.reshape(-1)
+        if self.dev is not None:
+            self.dev.release(host)
+        buf[n] = flag
+        return buf
+
+    def flag(self, buf: Any, n: int) -> Any:
+        """Return the reduced flag of a ``fused_buffer``."""
+        return self.dev.item(buf, n) if self.dev is not None and self.direct else buf.item(n)
+
     def finish(self, recv: Any) -> Any:
         """Turn the reduced buffer into the result: average, cast back, copy into ``out``."""
         size = self.comm.size
-        if self.device:
-            result = recv / size if self.average else recv
-            if self.dtype in HALF_DTYPES:
-                result = self.dev.cast_like(result, self.x)
-            if self.out is not None:
-                self.dev.copy_into(self.out, result)
-                return self.out
-            return result
+        if self.dev is not None:
+            return self._finish_device(recv, size)
         if self.average:
             np.divide(recv, size, out=recv)
         self.adapter.release(self.send)
@@ -790,14 +896,51 @@ class _Reduction:
             return self.adapter.write(self.out, result)
         return self.adapter.wrap(result, self.x)
 
+    def _finish_device(self, recv: Any, size: int) -> Any:
+        dev = self.dev
+        assert dev is not None
+        in_x = self.direct and recv is self.work and not self.fresh  # reduced in place in x's memory
+        result = recv if self.direct else dev.from_host(recv, self.work)
+        if self.ordered:
+            result = dev.unordered(result, work_dtype(self.dtype))
+        if self.average:
+            result = dev.divide_(result, size)
+        if self.dtype in HALF_DTYPES:
+            result = dev.cast(result, self.dtype)
+        if self.out is None:
+            return result
+        if not (in_x and self.out is self.x):
+            dev.copy_into(self.out, result)
+        return self.out
 
-def _agreed_entry(sig: tuple[Any, ...], size: int, cuda_aware: bool) -> _Agreed:
+
+_ORDERED = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
+
+
+def _wire(dtype: np.dtype, op: str, device: bool) -> tuple[np.dtype, Any, bool]:
+    """Return (dtype on the wire, MPI op, whether as ordered integers) of reducing ``dtype`` with ``op``.
+
+    Device arrays reduce float min/max as order-preserving integers with MPI's
+    own MIN/MAX (``DeviceOps.ordered``), on every path: which messages travel
+    depends on the agreed signature (its device field) only.
+    """
+    wdt = work_dtype(dtype)
+    if op == "adasum":
+        return wdt, None, False
+    if device and op in ("min", "max") and wdt in _ORDERED:
+        from mpi4py import MPI
+
+        return _ORDERED[wdt], MPI.MIN if op == "min" else MPI.MAX, True
+    return wdt, mpi_op(op, dtype), False
+
+
+def _agreed_entry(sig: tuple[Any, ...], size: int) -> _Agreed:
     """Return what later calls need of an agreed signature (the fused-flag plan for small all-reduces)."""
     entry = _Agreed(sig)
-    if sig[0] != "allreduce" or sig[4] not in _JOINABLE or (sig[7] == "cuda" and cuda_aware):
+    if sig[0] != "allreduce" or sig[4] not in _JOINABLE:
         return entry
     n, wdt, mop, op = _reduction_of(sig)
-    if wdt == _np_dtype(sig[3]):  # the numpy fast path reduces in the input's dtype: not for half types
+    if sig[7] != "cuda" and wdt == _np_dtype(sig[3]):  # the numpy fast path reduces in the input's dtype
         entry.shape, entry.dtype, entry.op, entry.plain = tuple(sig[2]), wdt, op, (mop, op == "avg")
     # A sum of 0/1 flags in one byte would wrap at 256 ranks.
     if n * wdt.itemsize > _FUSED_BYTES or (wdt.itemsize == 1 and op in ("sum", "avg") and size > 100):
@@ -814,11 +957,9 @@ def _plain_out(out: Any, x: np.ndarray) -> bool:
 
 
 def _reduction_of(sig: tuple[Any, ...]) -> tuple[int, np.dtype, Any, str]:
-    """Return (elements, work dtype, MPI op, op) of an agreed reduction signature."""
-    dtype = _np_dtype(sig[3])
-    op = sig[4]
-    return (int(np.prod(sig[2], dtype=np.int64)), work_dtype(dtype),
-            mpi_op(op, dtype) if op != "adasum" else None, op)
+    """Return (elements, dtype on the wire, MPI op, op) of an agreed reduction signature."""
+    wdt, mop, _ = _wire(_np_dtype(sig[3]), sig[4], sig[7] == "cuda")
+    return int(np.prod(sig[2], dtype=np.int64)), wdt, mop, sig[4]
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -928,47 +1069,44 @@ def split_rows(n: int, parts: int) -> np.ndarray:
     return np.array([base + (i < extra) for i in range(parts)], dtype=np.int64)
 
 
-class _DeviceOps:
-    """The few device-array operations the CUDA-aware path needs (torch or cupy)."""
+def _empty(dev: DeviceOps | None, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
+    """Return an uninitialised buffer on ``like``'s device (``dev``) or in host memory."""
+    return np.empty(shape, dtype=dtype) if dev is None else dev.empty(shape, dtype, like)
 
-    def __init__(self, x: Any) -> None:
-        self.is_torch = type(x).__module__.startswith("torch")
-        if self.is_torch:
-            import torch
 
-            self.lib = torch
-        else:
-            import cupy
+def _bytes(dev: DeviceOps | None, buf: Any) -> Any:
+    """Return contiguous ``buf`` as a flat uint8 view (raw-byte moves)."""
+    return buf.reshape(-1).view(np.uint8) if dev is None else dev.bytes(buf)
 
-            self.lib = cupy
 
-    def numpy_dtype(self, x: Any) -> np.dtype:
-        if self.is_torch:
-            if x.dtype == self.lib.bfloat16:
-                return arrays.BFLOAT16
-            return np.dtype(str(x.dtype).replace("torch.", ""))
-        return np.dtype(x.dtype)
+def _ready_bytes(dev: DeviceOps | None, buf: Any) -> Any:
+    """Return ``buf``'s bytes for MPI to read, after the work queued on it is done (device buffers)."""
+    if dev is not None:
+        dev.synchronize(buf)  # MPI knows no CUDA streams
+    return _bytes(dev, buf)
 
-    def to_float32(self, x: Any) -> Any:
-        return x.float() if self.is_torch else x.astype(self.lib.float32)
 
-    def contiguous(self, x: Any) -> Any:
-        return x.contiguous() if self.is_torch else self.lib.ascontiguousarray(x)
+def _in_order(comm: Communicator, order: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``method`` on a lane in order with the submitting thread's CUDA stream (``StreamOrder``)."""
+    with order.worker():
+        return method(comm, *args, **kwargs)
 
-    def empty_like(self, x: Any) -> Any:
-        return self.lib.empty_like(x)
 
-    def cast_like(self, result: Any, like: Any) -> Any:
-        return result.to(like.dtype) if self.is_torch else result.astype(like.dtype)
+class _Ordered(Handle):
+    """A lane handle whose result the caller's CUDA stream waits for (``StreamOrder.join``)."""
 
-    def synchronize(self, x: Any) -> None:
-        if self.is_torch:
-            self.lib.cuda.current_stream(x.device).synchronize()
-        else:
-            self.lib.cuda.get_current_stream().synchronize()
+    __slots__ = ("_inner",)
 
-    def copy_into(self, out: Any, result: Any) -> None:
-        if self.is_torch:
-            out.copy_(result.reshape(out.shape))
-        else:
-            out[...] = result.reshape(out.shape)
+    def __init__(self, inner: Handle, order: Any) -> None:
+        super().__init__([], lambda: order.join(inner.wait()), inner.name)
+        self._inner = inner
+
+    def test(self) -> bool:
+        if not self._done and self._inner.test():
+            self._complete()
+        return self._done
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._complete()
+        return self._result

@@ -34,6 +34,15 @@ def test_cupy_matches_numpy(loss: str, precision: str, tol: float) -> None:
     assert rel(device.coef, host.coef) < tol
 
 
+def test_auto_s_on_the_device_keeps_the_host_iterates() -> None:
+    X, y = make_data("logistic")
+    common = dict(loss="logistic", batch_size=8, lr=0.05, max_steps=75, tol=None, comm=COMM)
+    device = glm.solve(glm.from_array(cupy.asarray(X), cupy.asarray(y), comm=COMM), s="auto", **common)
+    assert device.s == device.auto.s in device.auto.candidates
+    host = glm.solve(glm.from_array(X, y, comm=COMM), s=device.s, **common)
+    assert rel(device.coef, host.coef) < 1e-10
+
+
 def test_numba_kernels_refuse_device_arrays() -> None:
     X, y = make_data("logistic")
     with pytest.raises(ValueError, match=r"kernels='numba' runs on numpy arrays only"):

@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# One prepared GPU check of commwire, for a fresh GPU machine that received this working tree.
+#
+#   bash benchmarks/gpu_check.sh          # on the GPU machine; the report lands in $OUT (or ./gpu_check_out)
+#   bash benchmarks/gpu_check.sh --cpu    # dry run of every stage on a CPU-only machine (small sizes)
+#
+# Stages, each with its own timeout inside one deadline (CHECK_BUDGET seconds, default 460: the whole
+# run stays under 8 minutes on one H200); a stage that fails or times out is recorded and the next runs:
+#   setup     a venv on the machine's python3 (--system-site-packages: its CUDA torch and cupy are used
+#             as they are), commwire from this tree through a .pth file (no build, no network), and only
+#             the missing pieces installed: from PyPI when it answers, else from wheels carried in .whl/
+#             (or $COMMWIRE_WHEELS); pyproject's extras name them: cupy-cuda12x/-cuda13x ([cuda12] /
+#             [cuda13], chosen from the driver's CUDA version), mpich ([mpich]), a CUDA torch.
+#   probe     does MPI take device buffers? MPIX_Query_cuda_support, then a real Allreduce of a CUDA
+#             tensor in a subprocess (a non-CUDA-aware MPI crashes it). Sets COMMWIRE_GPU_CUDA_AWARE.
+#   tests-n1  python -m pytest tests/gpu -rs (one rank)
+#   tests-n2  mpiexec -n 2 python -m pytest tests/gpu (two ranks sharing the GPU)
+#   codecs    encode/decode GB/s of every codec vs a device-to-device copy (benchmarks/gpu_bench.py)
+#   allreduce FP32 vs compressed all-reduce of 64 MiB, 1 and 2 ranks on the local GPU(s)
+#   optimizer DistributedOptimizer step vs torch DDP over NCCL, same model (1 rank; 2 ranks: DDP over gloo)
+#   lab       only as root with ip, tc and network namespaces: 8 emulated hosts at 1 Gbit/s, FP32
+#             all-reduce on 2/4/8 of them, then the cost model's calibration and validation
+#             (commwire bench project); the lab is always taken down (trap), even on a timeout.
+# Then report.md and report.json (every stage's status, time and rows) and gpu_check.log (all output)
+# are written to $OUT — three files, within what a device run brings back.
+#
+# Assumptions: Linux x86-64, bash, coreutils' timeout; python3 >= 3.10 with venv; an NVIDIA driver
+# (nvidia-smi) for the GPU mode. No network is needed when python3 already has torch (CUDA), cupy,
+# numba, ml_dtypes, mpi4py, click, pytest, scikit-learn, threadpoolctl (the workplace's CUDA image
+# does) and an MPI library is there or carried: e.g. here, before the run,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl mpich==5.0.2
+# and carry .whl. MPICH's wheel is not CUDA-aware: the direct tier then skips (saying so) and the
+# staged tier runs; a CUDA-aware MPI (an Open MPI wheel with OMPI_MCA_opal_cuda_support, a site MPI)
+# is picked up when the probe passes.
+set -uo pipefail
+
+MODE=gpu
+[ "${1:-}" = "--cpu" ] && MODE=cpu
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+OUT_DIR=${OUT:-$REPO/gpu_check_out}
+mkdir -p "$OUT_DIR"
+WORK=$(mktemp -d /tmp/commwire-gpu-check.XXXXXX)
+LOG="$OUT_DIR/gpu_check.log"
+STAGES="$WORK/stages.tsv"
+: >"$LOG"
+: >"$STAGES"
+BUDGET=${CHECK_BUDGET:-460}
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_opal_cuda_support=true
+export COMMWIRE_TIMEOUT=${COMMWIRE_TIMEOUT:-120}  # a hung collective ends its stage with a report, not the run
+
+log() {  # inside a stage the output already goes to the log
+    local line="[gpu_check $(( $(date +%s) - START ))s] $*"
+    if [ -n "${IN_STAGE:-}" ]; then echo "$line"; else echo "$line" | tee -a "$LOG"; fi
+}
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+# stage NAME MAX_SECONDS CMD...: run CMD (a command, or a function of this script) with a timeout of
+# min(MAX, time left - 20 s) in its own process group, and record the outcome in $STAGES.
+stage() {
+    local name=$1 max=$2
+    shift 2
+    local room=$(( $(left) - 20 ))
+    if [ "$room" -lt 15 ]; then
+        printf '%s\tskipped\t0\tout of time (budget %ss)\n' "$name" "$BUDGET" >>"$STAGES"
+        log "$name: skipped (out of time)"
+        return 0
+    fi
+    local limit=$(( max < room ? max : room )) t0=$(date +%s) rc
+    log "$name: start (timeout ${limit}s): $*"
+    # bash -c runs exported functions too; timeout signals the whole group (mpiexec and its ranks)
+    IN_STAGE=1 timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" >>"$LOG" 2>&1
+    rc=$?
+    local took=$(( $(date +%s) - t0 )) status=ok note=""
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=timeout; note="stopped after ${limit}s"
+    elif [ "$rc" -ne 0 ]; then status=failed; note="exit $rc"; fi
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$took" "$note" >>"$STAGES"
+    log "$name: $status ($took s) $note"
+    return 0
+}
+
+skip_stage() { printf '%s\tskipped\t0\t%s\n' "$1" "$2" >>"$STAGES"; log "$1: skipped ($2)"; }
+
+# ------------------------------------------------------------------ setup
+# Writes the interpreter to use into $WORK/python and extra PATH/PYTHONPATH entries into $WORK/env.
+setup() {
+    if [ -n "${GPU_CHECK_PYTHON:-}" ]; then  # an environment that already has everything (e.g. the dry run)
+        echo "$GPU_CHECK_PYTHON" >"$WORK/python"
+        "$GPU_CHECK_PYTHON" -c 'import commwire, torch, numba; from mpi4py import MPI; print(MPI.Get_library_version()[:40])'
+        return
+    fi
+    local base=${GPU_CHECK_BASE_PYTHON:-python3} venv=$WORK/venv py target=""
+    local base_sites
+    base_sites=$("$base" -c 'import site, sysconfig; p = sysconfig.get_paths(); print("\n".join(dict.fromkeys([p["purelib"], p["platlib"], *site.getsitepackages()])))') || return 1
+    if "$base" -m venv "$venv"; then
+        py=$venv/bin/python
+        local site
+        site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+        echo "$REPO" >"$site/00-commwire-checkout.pth"  # commwire from this tree, no build step
+        # The base python may itself be a venv (the CUDA image's is): reuse its packages (torch, cupy, ...)
+        # by path; packages installed here come first.
+        echo "$base_sites" >"$site/zz-base-python.pth"
+        echo "export PATH=\"$venv/bin:\$PATH\"" >"$WORK/env"
+    else  # no venv module: the base python, with installs in a folder of their own
+        py=$base
+        target=$WORK/site
+        mkdir -p "$target"
+        echo "export PYTHONPATH=\"$REPO:$target\${PYTHONPATH:+:\$PYTHONPATH}\" PATH=\"$target/bin:\$PATH\"" >"$WORK/env"
+    fi
+    echo "$py" >"$WORK/python"
+    . "$WORK/env"
+    local wheels=${COMMWIRE_WHEELS:-$REPO/.whl} online=0 cuda_major=13
+    if timeout 20 "$py" -m pip download -q --no-deps -d "$WORK/probe" click >/dev/null 2>&1; then online=1; fi
+    log "setup: PyPI reachable: $online; carried wheels: $(ls "$wheels"/*.whl 2>/dev/null | wc -l)"
+    if command -v nvidia-smi >/dev/null; then
+        cuda_major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
+        cuda_major=${cuda_major:-13}
+    fi
+    local need=()
+    "$py" -c 'import numpy, ml_dtypes, numba, click' 2>/dev/null || need+=(numpy ml_dtypes numba click)
+    "$py" -c 'import pytest' 2>/dev/null || need+=(pytest)
+    "$py" -c 'import sklearn, threadpoolctl' 2>/dev/null || need+=(scikit-learn threadpoolctl)
+    "$py" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null || need+=(torch)
+    "$py" -c 'import cupy' 2>/dev/null || need+=("cupy-cuda$([ "$cuda_major" -ge 13 ] && echo 13 || echo 12)x")
+    "$py" -c 'import mpi4py' 2>/dev/null || need+=(mpi4py)
+    if ! "$py" -c 'from mpi4py import MPI' 2>/dev/null || ! command -v mpiexec >/dev/null; then need+=(mpich); fi
+    if [ "${#need[@]}" -gt 0 ]; then
+        log "setup: installing ${need[*]}"
+        local into=()
+        [ -n "$target" ] && into=(--target "$target")
+        if ls "$wheels"/*.whl >/dev/null 2>&1; then
+            "$py" -m pip install -q --no-index --find-links "$wheels" "${into[@]}" "${need[@]}" \
+                || "$py" -m pip install -q --no-index --no-deps "${into[@]}" "$wheels"/*.whl || true
+        fi
+        if [ "$online" = 1 ]; then
+            "$py" -m pip install -q "${into[@]}" "${need[@]}" || return 1
+        fi
+    fi
+    "$py" -c 'import commwire, torch, numba, ml_dtypes; from mpi4py import MPI; print("commwire", commwire.__file__, "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), MPI.Get_library_version()[:60])'
+    command -v mpiexec
+}
+
+# ------------------------------------------------------------------ probe
+probe() {
+    cat >"$WORK/probe.py" <<'EOF'
+import sys
+import torch
+from mpi4py import MPI
+x = torch.full((1024,), 2.0, device="cuda")
+y = torch.empty_like(x)
+torch.cuda.synchronize()
+MPI.COMM_WORLD.Allreduce(x, y, MPI.SUM)
+sys.exit(0 if float(y.sum()) == 2048.0 * MPI.COMM_WORLD.Get_size() else 3)
+EOF
+    local mpix
+    mpix=$("$PY" -c 'from commwire.comm.runtime import query_mpi_cuda_support as q; from mpi4py import MPI; print(int(q()))' 2>/dev/null)
+    log "probe: MPIX_Query_cuda_support = ${mpix:-?}"
+    if timeout 45 mpiexec -n 1 "$PY" "$WORK/probe.py"; then
+        echo 1 >"$WORK/cuda_aware"
+        log "probe: a CUDA tensor went through MPI: CUDA-aware (direct tier runs)"
+    else
+        echo 0 >"$WORK/cuda_aware"
+        log "probe: MPI did not take a CUDA buffer: not CUDA-aware (staged tier only)"
+    fi
+}
+
+# ------------------------------------------------------------------ lab
+lab_possible() {  # prints why not, and fails, when the lab stage cannot run here
+    [ "$(id -u)" = 0 ] || { echo "needs root"; return 1; }
+    command -v ip >/dev/null && command -v tc >/dev/null || { echo "needs ip and tc"; return 1; }
+    ip netns add cw-gpucheck-probe 2>/dev/null || { echo "cannot create network namespaces"; return 1; }
+    ip netns del cw-gpucheck-probe
+    if "$PY" -m commwire lab status 2>/dev/null | grep -q '^lab up'; then
+        echo "a lab is already up here (someone else's?): not touching it"
+        return 1
+    fi
+}
+
+lab() {
+    trap '"$PY" -m commwire lab down >>"$LOG" 2>&1' EXIT
+    "$PY" -m commwire lab up --hosts 8 --bandwidth 1gbit || return 1
+    local sizes=16,4K,64K,256K,1M,4M,16M
+    for n in 2 4 8; do
+        "$PY" -m commwire run -np "$n" --lab "$PY" -m commwire.bench.allreduce --sizes "$sizes" --repeats 3 \
+            --budget 0.1 --json "$WORK/lab$n.json" || return 1
+    done
+    "$PY" -m commwire bench project --calibrate "$WORK"/lab{2,4,8}.json --fit-sizes 16,4K,256K,16M \
+        --validate "$WORK"/lab{2,4,8}.json --cores "$(nproc)" | tee "$WORK/lab_validation.txt"
+    "$PY" - "$WORK" <<'EOF'
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+rows = [{"line": line} for line in (work / "lab_validation.txt").read_text().splitlines() if line.strip()]
+(work / "parts" / "lab.json").write_text(json.dumps({"bench": "lab cost-model validation (8 hosts, 1 Gbit/s)",
+                                                     "rows": rows}))
+EOF
+}
+
+# ------------------------------------------------------------------ run
+export REPO WORK LOG STAGES START BUDGET
+export -f log left setup probe lab
+LAB_UP=0
+trap '[ "$LAB_UP" = 1 ] && "$PY" -m commwire lab down >>"$LOG" 2>&1; rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/parts"
+log "mode $MODE; repo $REPO; out $OUT_DIR; budget ${BUDGET}s"
+stage setup 120 setup
+PY=$(cat "$WORK/python" 2>/dev/null || echo python3)
+[ -f "$WORK/env" ] && . "$WORK/env"
+[ -n "${GPU_CHECK_PYTHON:-}" ] && export PATH="$(dirname "$GPU_CHECK_PYTHON"):$PATH"
+export PY
+if [ "$MODE" = gpu ]; then
+    stage probe 60 probe
+    CUDA_AWARE=$(cat "$WORK/cuda_aware" 2>/dev/null || echo 0)
+    export COMMWIRE_GPU_CUDA_AWARE=$CUDA_AWARE COMMWIRE_CUDA_AWARE=$CUDA_AWARE
+    MIB=64
+    CODEC_MIB=64
+    BENCH_CPU=()
+    OPT=(--layers 8 --width 2048 --batch 64)
+else
+    export COMMWIRE_GPU_EMULATE=cpu COMMWIRE_GPU_CUDA_AWARE=0
+    skip_stage probe "--cpu: no device buffers to probe"
+    MIB=2
+    CODEC_MIB=0.25
+    BENCH_CPU=(--cpu)
+    OPT=(--layers 2 --width 128 --batch 16)
+fi
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs tests/gpu)
+stage tests-n1 130 "${PYTEST[@]}"
+stage tests-n2 100 mpiexec -n 2 "${PYTEST[@]}"
+BENCH=("$PY" benchmarks/gpu_bench.py)
+stage codecs 40 "${BENCH[@]}" codecs "${BENCH_CPU[@]}" --mib "$CODEC_MIB" --budget 0.3 --json "$WORK/parts/codecs.json"
+stage allreduce-n1 30 mpiexec -n 1 "${BENCH[@]}" allreduce "${BENCH_CPU[@]}" --mib "$MIB" --budget 0.5 \
+    --json "$WORK/parts/allreduce_n1.json"
+stage allreduce-n2 45 mpiexec -n 2 "${BENCH[@]}" allreduce "${BENCH_CPU[@]}" --mib "$MIB" --budget 0.5 \
+    --json "$WORK/parts/allreduce_n2.json"
+stage optimizer-n1 40 mpiexec -n 1 "${BENCH[@]}" optimizer "${BENCH_CPU[@]}" "${OPT[@]}" --budget 1 \
+    --json "$WORK/parts/optimizer_n1.json"
+stage optimizer-n2 40 mpiexec -n 2 "${BENCH[@]}" optimizer "${BENCH_CPU[@]}" "${OPT[@]}" --budget 1 \
+    --json "$WORK/parts/optimizer_n2.json"
+if [ "$MODE" = cpu ]; then
+    skip_stage lab "not run with --cpu (8 emulated hosts need the GPU machine's 16 cores)"
+elif WHY=$(lab_possible); then
+    LAB_UP=1
+    stage lab 90 lab
+    "$PY" -m commwire lab down >>"$LOG" 2>&1  # also when a timeout ended the stage before its own trap
+    LAB_UP=0
+else
+    skip_stage lab "$WHY"
+fi
+
+"$PY" benchmarks/gpu_bench.py report --out "$WORK/parts" --stages "$STAGES" >>"$LOG" 2>&1 \
+    || log "report: failed (see the log)"
+cp "$WORK/parts/report.md" "$WORK/parts/report.json" "$OUT_DIR/" 2>/dev/null
+log "done in $(( $(date +%s) - START ))s: $OUT_DIR/report.md"
+! grep -qE $'\t(failed|timeout)\t' "$STAGES"
