@@ -32,6 +32,7 @@ BENCHMARKS = {  # name -> module under commwire.bench
     "torch": "torch_ddp",
     "grouped": "grouped",
     "ddp": "ddp",
+    "lordo": "lordo",
     "agreement": "agreement",
     "faults": "faults",
     "gift": "gift",

@@ -10,7 +10,9 @@ dtype, the outer step updates θ_ref and every rank restarts from it:
 outer_lr = 1, μ = 0 is plain parameter averaging (local SGD / local Adam);
 outer_lr = 0.7, μ = 0.9, Nesterov is DiLoCo's outer optimizer. Optimizer
 states named by the caller (moments, error-feedback buffers) can be averaged
-at the same sync in a second fused message.
+at the same sync in a second fused message. While every rank holds the same
+weights anyway (a DDP warm-up), :meth:`LocalSync.rebase` ends a period
+without a message.
 
 Arrays are numpy arrays or torch tensors (one kind per schedule); only
 operators, slicing and the Communicator are used, so the same code serves both.
@@ -191,6 +193,25 @@ class LocalSync:
                 ref -= cfg.outer_lr * d
             x[...] = ref
         self.syncs += 1
+        return delta
+
+    def rebase(self) -> dict[str, Any]:
+        """Return θ_ref − θ without communicating and restart the reference from θ (no outer step).
+
+        For phases in which every rank already holds the same weights (a DDP
+        warm-up averages gradients every step): the averaged pseudo-gradient is
+        then the local one, so a sync would send bytes to learn nothing.
+
+        Returns:
+            ``{name: pseudo-gradient}`` as views valid until the next sync or rebase.
+        """
+        delta = {}
+        for name, x in self.params:
+            slot = self._pseudo.view(name)  # the fused buffer is scratch space between syncs
+            slot[...] = self.reference[name]
+            slot -= x
+            self.reference[name][...] = x
+            delta[name] = slot
         return delta
 
     def _average_states(self, states: Mapping[str, Any]) -> None:

@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,8 +26,8 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.runtime import world
-from ..fusion import FusionBuffer
 from ..schedules.local import LocalSync, LocalSyncConfig
+from ..schedules.lordo import LoRDO as LoRDOEngine
 from ..schedules.lordo import (
     LoRDOConfig,
     adam_step,
@@ -85,7 +84,7 @@ def _named_groups(params: Any) -> tuple[list[tuple[str, torch.Tensor]], list[dic
     return named, groups
 
 
-class _LocalOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+class _LocalOptimizer(torch.optim.Optimizer):
     """Shared machinery: named parameters, local steps, the LocalSync schedule, checkpoints."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: LocalSyncConfig,
@@ -97,26 +96,25 @@ class _LocalOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._names = {p: n for n, p in named}
         self.diagnostics: list[dict[str, Any]] = []
         with torch.no_grad():
-            self._init_state()
-            self._sync = LocalSync(named, schedule, comm=self.comm, states=self._state_tensors(), check=check)
+            self._sync = self._build_schedule(named, schedule, check)
 
-    @abc.abstractmethod
+    def _build_schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
+                        check: bool) -> LocalSync:
+        """Allocate every parameter's optimizer state, then the schedule (which names the synced states)."""
+        self._init_state()
+        return LocalSync(named, schedule, comm=self.comm, states=self._state_tensors(), check=check)
+
     def _init_state(self) -> None:
-        """Allocate every parameter's optimizer state (before the schedule, which names the synced states)."""
+        """Allocate every parameter's optimizer state."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Return the ``(name, tensor)`` states averaged at each sync (may be empty)."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def _local_update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], step: int) -> None:
         """Apply one local update to ``p`` in place."""
-
-    def _before_first_step(self) -> None:
-        """Prepare what the first local update needs (nothing by default)."""
-
-    def _after_sync(self, delta: Mapping[str, torch.Tensor]) -> None:
-        """React to the averaged pseudo-gradients of a sync (nothing by default)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ step
     @property
@@ -129,16 +127,9 @@ class _LocalOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Return how many steps this optimizer has taken."""
         return self._sync.steps
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Take one local step; on every ``sync_every``-th call, synchronise with the other ranks."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._sync.steps == 0:
-            self._before_first_step()
-        t = self._sync.steps + 1
+    def _gradients(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        """Return ``(name, grad, group)`` for every parameter with a gradient (dense ones only)."""
+        out = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -146,9 +137,22 @@ class _LocalOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"parameter {self._names[p]!r} has a sparse gradient; "
                                        f"{type(self).__name__} needs dense gradients")
-                self._local_update(p, p.grad, group, t)
+                out.append((self._names[p], p.grad, group))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Take one local step; on every ``sync_every``-th call, synchronise with the other ranks."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self._sync.steps + 1
+        params = dict(self._named)
+        for name, grad, group in self._gradients():
+            self._local_update(params[name], grad, group, t)
         if self._sync.tick():
-            self._after_sync(self._sync.sync(dict(self._state_tensors())))
+            self._sync.sync(dict(self._state_tensors()))
         return loss
 
     # ------------------------------------------------------------ accounting
@@ -176,11 +180,17 @@ class _LocalOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return state_nbytes(self)
 
     # ----------------------------------------------------------- checkpoints
+    def _extra_state(self) -> dict[str, Any]:
+        return {"schedule": self._sync.state_dict(), "diagnostics": list(self.diagnostics)}
+
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
+        self._sync.load_state_dict(extra["schedule"])
+        self.diagnostics = list(extra["diagnostics"])
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Return torch's optimizer state dict plus the schedule state under "commwire"."""
         sd = super().state_dict()
-        sd["commwire"] = {"schedule": self._sync.state_dict(), "diagnostics": list(self.diagnostics),
-                          "names": [n for n, _ in self._named]}
+        sd["commwire"] = {**self._extra_state(), "names": [n for n, _ in self._named]}
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
@@ -196,8 +206,7 @@ class _LocalOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              f"{ours['names'][:2]}, now {names[:2]}); build the optimizer over the same model")
         super().load_state_dict(sd)
         with torch.no_grad():
-            self._sync.load_state_dict(ours["schedule"])
-        self.diagnostics = list(ours["diagnostics"])
+            self._load_extra_state(ours)
 
 
 class DiLoCo(_LocalOptimizer):
@@ -246,23 +255,32 @@ class DiLoCo(_LocalOptimizer):
 class LoRDO(_LocalOptimizer):
     """LoRDO: low-rank local Adam in a global subspace, full-rank QH term, sync every ``sync_every`` steps.
 
-    Each matrix parameter with ``rank < min(m, n)`` keeps Adam moments in a rank-r
-    subspace whose basis is the top-r singular vectors of the averaged
-    pseudo-gradient (computed identically on every rank, never sent); a
-    matrix with ``rank >= min(m, n)`` falls back to full-rank AdamW, as do
-    non-matrix parameters (``projected_names`` lists the projected ones). The
-    first basis comes from the gradient of the first step, averaged once.
+    The engine is :class:`commwire.schedules.lordo.LoRDO` (its module docstring
+    gives the update rule); this class puts torch's optimizer interface on it:
+    ``state[p]`` holds the per-parameter state (on the parameter's device), and
+    ``state_dict()`` / ``load_state_dict()`` resume bit-identically. Each matrix
+    parameter with ``rank < min(m, n)`` keeps Adam moments in a rank-r subspace
+    whose basis is the top-r singular vectors of the averaged pseudo-gradient
+    (computed identically on every rank, never sent); other parameters use
+    AdamW (``projected_names`` lists the projected ones). The first basis comes
+    from the first gradient, averaged once.
 
     Args:
-        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or param groups.
-        lr, betas, eps, weight_decay: per param group.
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or param groups
+            (per group: ``lr`` and ``weight_decay``; betas and eps are the optimizer's).
+        lr, betas, eps, weight_decay: AdamW's.
         rank: r, the subspace dimension.
         sync_every: K (>= 1).
         omega: ω in [0, 1]; 1 − ω weights the full-rank QH term (1 = no QH term: stagnates).
-        clip: clip each gradient to this Frobenius norm first (None: off).
-        error_feedback: keep the projection's residual and add it to the next gradient.
+        mu, qh_denominator: the QH term is Ĝ / (μ·D(den)), D "scalar" or "broadcast".
+        clip: ρ, clip the gradient to this global norm first (default 0.5; None: off).
+        error_feedback: "full" (m x n buffer), "lowrank" (rank r: O(r(m+n)) state) or "none"
+            (True/False: full/none).
         rotate: rotate the moments into each new basis.
         sync_states: states averaged at each sync, from ("moments", "error_feedback").
+        warmup_steps: DDP warm-up steps (gradients averaged every step; a multiple of ``sync_every``).
+        warmup_omega, switch_betas, switch_reset_moments, switch_lr_scale: what changes when
+            the warm-up ends (the authors': ω, (0.999, 0.999), True, 0.5).
         outer_lr, outer_momentum, nesterov: outer step (default plain averaging).
         codec: wire format of the pseudo-gradients; state_codec: of the averaged states.
         comm: communicator (default: the world).
@@ -270,84 +288,83 @@ class LoRDO(_LocalOptimizer):
 
     Example:
         >>> opt = LoRDO(model.named_parameters(), lr=2e-3, rank=32, sync_every=32, omega=0.97, codec="fp8-e4m3")
+        >>> opt.stats()["bytes"]["per_step"], opt.stats()["memory"]["total"]
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, *, rank: int, sync_every: int = 32, omega: float = 0.97,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 1e-5,
-                 clip: float | None = None, error_feedback: bool = True, rotate: bool = True,
-                 sync_states: tuple[str, ...] = ("moments",), outer_lr: float = 1.0, outer_momentum: float = 0.0,
-                 nesterov: bool = True, codec: Any = None, state_codec: Any = None,
+                 mu: float = 1.0, qh_denominator: str = "scalar", clip: float | None = 0.5,
+                 error_feedback: bool | str = "full", rotate: bool = True,
+                 sync_states: tuple[str, ...] = ("moments",), warmup_steps: int = 0,
+                 warmup_omega: float | None = None, switch_betas: tuple[float, float] | None = None,
+                 switch_reset_moments: bool = False, switch_lr_scale: float = 1.0, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, nesterov: bool = True, codec: Any = None, state_codec: Any = None,
                  comm: Communicator | None = None, check: bool = True) -> None:
         _check_adam(lr, betas, eps, weight_decay)
-        self.config = LoRDOConfig(rank=rank, omega=omega, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                  clip=clip, error_feedback=error_feedback, rotate=rotate,
-                                  sync_states=tuple(sync_states))
+        self.config = LoRDOConfig(
+            rank=rank, omega=omega, betas=tuple(betas), eps=eps, weight_decay=weight_decay, mu=mu,
+            qh_denominator=qh_denominator, clip=clip, error_feedback=error_feedback, rotate=rotate,
+            sync_states=tuple(sync_states), warmup_steps=warmup_steps, warmup_omega=warmup_omega,
+            switch_betas=tuple(switch_betas) if switch_betas is not None else None,
+            switch_reset_moments=switch_reset_moments, switch_lr_scale=switch_lr_scale)
         schedule = LocalSyncConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                    nesterov=nesterov, codec=codec, state_codec=state_codec)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, schedule, comm, check)
 
+    def _build_schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
+                        check: bool) -> LocalSync:
+        for group in self.param_groups:
+            if (tuple(group["betas"]), group["eps"]) != (self.config.betas, self.config.eps):
+                raise ValueError(f"a param group sets betas={group['betas']}, eps={group['eps']}; LoRDO takes "
+                                 f"them for all groups ({self.config.betas}, {self.config.eps}): pass them to LoRDO")
+        self._engine = LoRDOEngine(named, self.config, schedule, comm=self.comm, check=check,
+                                   states={n: self.state[p] for n, p in named})
+        return self._engine.schedule
+
+    @property
+    def diagnostics(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Return one entry per sync: subspace similarity and numerical rank of Δ per projected matrix."""
+        return self._engine.diagnostics if hasattr(self, "_engine") else []
+
+    @diagnostics.setter
+    def diagnostics(self, value: list[dict[str, Any]]) -> None:
+        if hasattr(self, "_engine"):
+            self._engine.diagnostics = value
+
     @property
     def projected_names(self) -> list[str]:
         """Return the names of the parameters with low-rank moments."""
-        return [n for n, p in self._named if "basis" in self.state[p]]
-
-    def _init_state(self) -> None:
-        for _, p in self._named:
-            if is_projected(tuple(p.shape), self.config.rank):
-                self.state[p].update(init_lowrank_state(p.detach(), self.config.rank,
-                                                        error_feedback=self.config.error_feedback))
-            else:
-                self.state[p].update(init_adam_state(p.detach()))
-
-    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        keys = (("exp_avg", "exp_avg_sq") if "moments" in self.config.sync_states else ()) + \
-               (("error",) if "error_feedback" in self.config.sync_states else ())
-        return [(f"{n}.{k}", self.state[p][k]) for n, p in self._named for k in keys if k in self.state[p]]
-
-    def _group_config(self, group: dict[str, Any]) -> LoRDOConfig:
-        c = self.config
-        if (tuple(group["betas"]), group["eps"], group["weight_decay"]) == (c.betas, c.eps, c.weight_decay):
-            return c
-        return LoRDOConfig(rank=c.rank, omega=c.omega, betas=tuple(group["betas"]), eps=group["eps"],
-                           weight_decay=group["weight_decay"], clip=c.clip, error_feedback=c.error_feedback,
-                           rotate=c.rotate, sync_states=c.sync_states)
-
-    def _local_update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], step: int) -> None:
-        state = self.state[p]
-        if "basis" in state:
-            lowrank_step(p, grad, state, lr=group["lr"], step=step, config=self._group_config(group))
-        else:
-            adam_step(p, grad, state, lr=group["lr"], step=step, betas=group["betas"], eps=group["eps"],
-                      weight_decay=group["weight_decay"])
-
-    def _before_first_step(self) -> None:
-        # Every rank needs the same first basis: average the first gradient of the projected
-        # matrices once (one fused message, counted by the stats like any all-reduce).
-        projected = [(n, p) for n, p in self._named if "basis" in self.state[p]]
-        if not projected:
-            return
-        fb = FusionBuffer(projected, comm=self.comm, op="avg", threshold_bytes=1 << 62, first_bucket_bytes=0,
-                          overlap=False)
-        for name, p in projected:
-            fb.add(name, p.grad if p.grad is not None else torch.zeros_like(p))
-        averaged = fb.wait()
-        for name, p in projected:
-            lowrank_bootstrap(self.state[p], averaged[name], self.config.rank)
+        return self._engine.projected_names
 
     @property
     def bootstrap_bytes(self) -> int:
         """Return the bytes of the one-time first-gradient all-reduce that seeds the bases."""
-        return sum(p.numel() * p.element_size() for n, p in self._named if "basis" in self.state[p])
+        return self._engine.bootstrap_bytes
 
-    def _after_sync(self, delta: Mapping[str, torch.Tensor]) -> None:
-        similarity, ranks = {}, {}
-        for name, p in self._named:
-            state = self.state[p]
-            if "basis" in state:
-                report = refresh_basis(state, delta[name], self.config.rank, rotate=self.config.rotate)
-                similarity[name], ranks[name] = report.similarity, report.numerical_rank
-        self.diagnostics.append({"step": self._sync.steps, "similarity": similarity, "rank": ranks})
+    def stats(self) -> dict[str, Any]:
+        """Return what this optimizer sends ("bytes": sent so far, per sync, per step) and holds ("memory")."""
+        return self._engine.stats()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Take one step; during a warm-up average the gradients first; every ``sync_every``-th step, sync."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lrs = {self._names[p]: g["lr"] for g in self.param_groups for p in g["params"]}
+        decay = {self._names[p]: g["weight_decay"] for g in self.param_groups for p in g["params"]}
+        self._engine.step({name: grad for name, grad, _ in self._gradients()}, lrs, decay)
+        return loss
+
+    def _extra_state(self) -> dict[str, Any]:
+        return self._engine.extra_state()
+
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
+        # torch's load_state_dict made new per-parameter dicts: the engine works on those now.
+        self._engine.state = {n: self.state[p] for n, p in self._named}
+        self._engine.load_extra_state(extra)
 
 
 class LowRankAdam(torch.optim.Optimizer):
@@ -370,7 +387,7 @@ class LowRankAdam(torch.optim.Optimizer):
         if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
             raise ValueError(f"refresh_every={refresh_every!r} must be an integer >= 1")
         self.config = LoRDOConfig(rank=rank, omega=1.0, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                  error_feedback=False, rotate=rotate, sync_states=())
+                                  clip=None, error_feedback=False, rotate=rotate, sync_states=())
         self.refresh_every = refresh_every
         self.diagnostics: list[dict[str, Any]] = []
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
@@ -385,8 +402,8 @@ class LowRankAdam(torch.optim.Optimizer):
         similarity = {}
         for gi, group in enumerate(self.param_groups):
             cfg = LoRDOConfig(rank=self.config.rank, omega=1.0, betas=tuple(group["betas"]), eps=group["eps"],
-                              weight_decay=group["weight_decay"], error_feedback=False, rotate=self.config.rotate,
-                              sync_states=())
+                              weight_decay=group["weight_decay"], clip=None, error_feedback=False,
+                              rotate=self.config.rotate, sync_states=())
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -403,7 +420,7 @@ class LowRankAdam(torch.optim.Optimizer):
                         lowrank_bootstrap(state, p.grad, cfg.rank)
                     elif (t - 1) % self.refresh_every == 0:
                         similarity[f"{gi}.{pi}"] = refresh_basis(state, p.grad, cfg.rank, rotate=cfg.rotate).similarity
-                    lowrank_step(p, p.grad, state, lr=group["lr"], step=t, config=cfg)
+                    lowrank_step(p, p.grad, state, lr=group["lr"], config=cfg, phase=cfg.phase(t))
                 else:
                     adam_step(p, p.grad, state, lr=group["lr"], step=t, betas=group["betas"], eps=group["eps"],
                               weight_decay=group["weight_decay"])

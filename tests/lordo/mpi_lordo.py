@@ -1,11 +1,14 @@
 """LoRDO, DiLoCo and LocalSync on several ranks — tier 2 (run under mpiexec by test_lordo.py).
 
 Every rank trains a small MLP on its own data stream. Checks: the projection
-is bit-identical on every rank; ω = 1 stagnates and ω < 1 does not; plain
-averaging equals the mean of the locally trained weights; the bytes one sync
-hands to MPI equal the formula (exactly uncompressed, within the per-chunk
-scales for FP8); resuming from a checkpoint continues bit-identically; ranks
-that start from different weights get a ValueError naming the parameter.
+is bit-identical on every rank (every error-feedback mode); ω = 1 stagnates and
+ω < 1 does not; plain averaging equals the mean of the locally trained weights;
+the bytes one sync hands to MPI equal the formula (exactly uncompressed, within
+the per-chunk scales for FP8) and ``stats()`` counts what the counters count;
+a DDP warm-up keeps every rank's weights identical at every step and sends
+gradients, not pseudo-gradients; resuming from a checkpoint continues
+bit-identically; ranks that start from different weights get a ValueError
+naming the parameter.
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ def crc(tensors) -> int:
     return zlib.crc32(b"".join(t.detach().contiguous().numpy().tobytes() for t in tensors))
 
 
-def test_projection_and_weights_identical_on_every_rank():
+@pytest.mark.parametrize("ef", ["full", "lowrank", "none"])
+def test_projection_and_weights_identical_on_every_rank(ef):
     model = make_model()
-    opt = lordo(model)
+    opt = lordo(model, error_feedback=ef)
     train(model, opt, range(3 * K))
     bases = [opt.state[p]["basis"] for _, p in model.named_parameters() if "basis" in opt.state[p]]
     assert len(bases) == 2  # the two hidden matrices; the 2 x 16 head falls back to full rank
@@ -79,7 +83,7 @@ def test_stagnation_only_at_omega_one(omega):
         assert min(sims) > 1 - 1e-4, sims
         assert max(ranks) <= RANK_R, ranks
     else:
-        assert max(sims) < 0.99, sims
+        assert max(sims) < 0.999, sims
         assert min(ranks) > RANK_R, ranks
 
 
@@ -115,6 +119,36 @@ def test_bytes_per_sync_match_the_counters(states):
     assert counted["calls"] == 1 + bool(states)  # one fused message per kind
 
 
+def test_stats_count_what_the_counters_count():
+    model = make_model()
+    cw.stats(reset=True)
+    opt = lordo(model, sync_states=("moments",))
+    train(model, opt, range(2 * K + 1))
+    counted = sum(v["bytes"] for k, v in cw.stats().items() if k != "codecs" and isinstance(v, dict))
+    s = opt.stats()["bytes"]
+    assert s["sent"] == counted == s["bootstrap"] + 2 * s["per_sync"]
+
+
+def test_warmup_keeps_ranks_identical_and_sends_only_gradients():
+    model = make_model()
+    P = sum(p.numel() for p in model.parameters())
+    opt = lordo(model, warmup_steps=2 * K, switch_betas=(0.999, 0.999), switch_reset_moments=True,
+                switch_lr_scale=0.5, sync_states=())
+    cw.stats(reset=True)
+    for s in range(2 * K):
+        train(model, opt, range(s, s + 1))
+        assert len(set(COMM.allgather_object(crc(model.parameters())))) == 1, s  # DDP: same step everywhere
+    assert cw.stats()["allreduce"]["bytes"] == 2 * K * 4 * P and opt._sync.syncs == 0
+    assert len(opt.diagnostics) == 2  # bases refreshed from the (identical) local Δ, without a message
+    bases = [opt.state[p]["basis"] for p in model.parameters() if "basis" in opt.state[p]]
+    assert len(set(COMM.allgather_object(crc(bases)))) == 1
+    train(model, opt, range(2 * K, 2 * K + 1))  # local steps now: the ranks' data differ
+    assert len(set(COMM.allgather_object(crc(model.parameters())))) == SIZE
+    train(model, opt, range(2 * K + 1, 3 * K))
+    assert len(set(COMM.allgather_object(crc(model.parameters())))) == 1 and opt._sync.syncs == 1
+    assert cw.stats()["allreduce"]["bytes"] == 2 * K * 4 * P + opt.bytes_per_sync == opt.stats()["bytes"]["sent"]
+
+
 def test_fp8_sync_bytes_match_formula_within_chunk_scales():
     model = make_model()
     opt = lordo(model, codec="fp8-e4m3", sync_states=())
@@ -127,12 +161,15 @@ def test_fp8_sync_bytes_match_formula_within_chunk_scales():
     assert opt.bytes_per_sync < 1.05 * P  # one byte per value plus scales: 4x below FP32
 
 
-@pytest.mark.parametrize("kind", ["lordo", "diloco"])
+@pytest.mark.parametrize("kind", ["lordo", "lordo-warmup", "diloco"])
 def test_resume_from_checkpoint_continues_identically(kind):
     def build():
         model = make_model()
         if kind == "lordo":
             return model, lordo(model, sync_states=("moments", "error_feedback"), outer_momentum=0.5)
+        if kind == "lordo-warmup":
+            return model, lordo(model, warmup_steps=K, switch_betas=(0.999, 0.999), error_feedback="lowrank",
+                                switch_reset_moments=True, qh_denominator="broadcast")
         return model, hvd.DiLoCo(model.named_parameters(), lr=1e-2, sync_every=K, average_moments=True)
 
     model, opt = build()
@@ -148,8 +185,8 @@ def test_resume_from_checkpoint_continues_identically(kind):
     train(model2, opt2, range(K + 2, 3 * K + 1))
     for (name, p), q in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(p, q), name
-    if kind == "lordo":
-        assert opt.diagnostics == opt2.diagnostics
+    if kind != "diloco":
+        assert opt.diagnostics == opt2.diagnostics and opt.stats() == opt2.stats()
 
 
 def test_parameters_that_differ_between_ranks_are_rejected():
