@@ -2,52 +2,78 @@
 
 For a linear layer with weight gradient W (d_out × d_in) and input second
 moment A = E[a aᵀ] (d_in × d_in), GIFT (Wang et al. 2026, see
-``shared/papers/gift.md``) communicates W̃ = W S⁻ᵀ instead of W, where
-S Sᵀ = A (damped), and maps the decoded sum back with W = W̃ Sᵀ. The
-transform is linear, so if every rank holds the *same* S it commutes with the
-sum: Σ_r (W_r S⁻ᵀ) = (Σ_r W_r) S⁻ᵀ. Here S is the symmetric square root of a
-low-rank plus isotropic model of A::
+``shared/papers/gift.md``) communicates W̃ = c · W S⁻ᵀ instead of W, where
+S Sᵀ = Â, a damped model of A, and maps the decoded sum back with
+W = W̃ Sᵀ / c. The transform is linear, so if every rank holds the *same* S and
+c it commutes with the sum: Σ_r (W_r S⁻ᵀ) = (Σ_r W_r) S⁻ᵀ. S is the symmetric
+square root of a low-rank plus isotropic model of A::
 
-    A ≈ U diag(λ) Uᵀ + σ (I − U Uᵀ) + δ I      (top-r eigenpairs, σ = mean of the rest,
+    Â = U diag(λ) Uᵀ + σ (I − U Uᵀ) + δ I      (top-r eigenpairs, σ = mean of the rest,
                                                 δ = damping · trace(A) / d_in)
 
 so W S⁻¹ = σ'^(-1/2) W + (W U) diag(λ'^(-1/2) − σ'^(-1/2)) Uᵀ costs O(d_out · d_in · r).
 ``rank=0`` keeps every eigenpair (the full factor).
 
+Why S⁻¹: a gradient is a dual object. Its natural (Fisher-inverse) norm is
+||W L_A⁻ᵀ||_F, the norm of exactly the whitened coordinates, so a
+relative-precision format whose error is spread evenly over W̃ spreads it
+evenly in that norm. (An option ``primal=1`` that sent W S instead — error
+even in the primal A-norm — was removed: mapped back through S⁻¹ its error is
+amplified in the weak input directions, Euclidean error 4.72 on real LM
+gradients, issue #17.)
+
+Scale normalisation: c = sqrt(trace(A) / trace(A Â⁻¹)). For a gradient
+W = δ aᵀ with a ~ A, E||c W S⁻¹||² = E||W||², so the whitened tensor keeps
+the magnitude the direct one had, and a scale shared with other tensors (a
+fused bucket under one FP8 scale) treats it as it treated W. Without c a layer
+whose inputs are large (λ ≫ 1) shrinks by ~1/√λ and can flush to zero beside a
+larger tensor (relative error 1.00 where direct FP8 gave 0.03). c comes from
+the factor alone, so it is identical on every rank and keeps the map linear.
+
 Lifecycle (the torch adapter, :mod:`commwire.torch.gift`, drives it):
 
 1. :meth:`Gift.declare` the candidate layers (weight name → d_in) and feed input
    statistics with :meth:`Gift.observe` (sums of a aᵀ and row counts);
-2. :meth:`Gift.refresh` every K steps (``refresh``, default 50) — a collective:
-   the statistics are all-reduced, each layer's eigendecomposition runs on one
-   rank and the factors are all-gathered, so every rank holds bit-identical
-   factors; a digest of them is then compared across ranks and a mismatch
-   raises on every rank (:meth:`Gift.verify`);
+2. :meth:`Gift.refresh` on the schedule (``profile`` steps, then every
+   ``refresh``) — a collective: the statistics are all-reduced, each layer's
+   eigendecomposition runs on one rank and the factors are all-gathered, so
+   every rank holds bit-identical factors; a digest of them is then compared
+   across ranks and a mismatch raises on every rank (:meth:`Gift.verify`);
 3. collectives call :meth:`tensor_forward` on whole tensors or fused buckets
    (the layout from :meth:`bind_layout` says where each weight lies), encode
    chunks with the inner codec, and call :meth:`tensor_inverse` on the result.
 
 Tensors that are not selected weight matrices (biases, norms, embeddings, or
-any layer before its first factor) pass through unchanged. Layer selection:
-an explicit ``layers`` list, or a fragility profile (``profile=N``: over the
-first N steps, no transform, count per layer how often an element falls outside
-the format's normal range — flushed to zero, subnormal or saturated — and keep
-the ``top`` most fragile), or by default every declared layer.
+any layer before its first factor) pass through unchanged. Layer selection, as
+in the paper: a fragility profile (``profile=N``): for the first N steps
+nothing is transformed and every declared layer's wire codes are counted —
+how many sit at the top code of the format or were flushed to zero from a
+non-zero value (:func:`range_hits`); the ``top`` most fragile layers are then
+selected (``top=0``: every layer whose hit fraction exceeds the mean over the
+declared layers by more than one standard deviation). Or an explicit ``layers``
+list. Without either, every declared layer is transformed.
 
 Error feedback (``ef``, on by default) runs in transformed coordinates on the
 transformed weights only, on the sending side: the residual of the rank's own
 encoding is kept per tensor key, and mapped to the new coordinates at each
-refresh (R̃_new = R̃_old S_oldᵀ S_new⁻ᵀ) so no carried error is lost or
+refresh (R̃_new = R̃_old T_old⁻¹ T_new) so no carried error is lost or
 distorted. The reduce-side re-encoding of the compressed all-reduce is not
 compensated. Factors, statistics, profile counts, selection and residuals live
 in ``codec.state`` and are saved by ``codec.state_dict()``; after
 ``load_state_dict`` the stage refuses to transform until :meth:`verify` has
 confirmed that every rank loaded the same factors.
 
-Spec options (``gift:rank=16,refresh=100+fp8-e4m3``): ``rank`` (0 = full),
-``refresh``, ``ef`` (0/1), ``profile`` (steps, 0 = off), ``top``, ``primal`` (0/1). ``damping``
-and an explicit ``layers`` list are set through :class:`GiftConfig` only and do
-not appear in the spec.
+Devices: the transform, the residuals and the range-hit counts live on the
+device of the tensor they are applied to; each factor keeps one copy of its
+terms per device and dtype (made on first use after a refresh), so a step
+moves nothing between host and device. Refreshes (eigendecompositions) run on
+the host. commwire's compressed all-reduce stages device buffers through host
+memory before any codec runs, so there the transform runs on the host copy.
+
+Spec options (``gift:rank=16,profile=100,top=2+fp8-e4m3``): ``rank`` (0 = full),
+``refresh``, ``ef`` (0/1), ``profile`` (steps, 0 = off), ``top``. ``damping``,
+``normalise`` and an explicit ``layers`` list are set through
+:class:`GiftConfig` only and do not appear in the spec.
 
 Example:
     >>> codec = codecs.get("gift+fp8-e4m3")
@@ -70,12 +96,22 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _arrays
-from .base import Codec, CodecState, Wrapper
+from .base import Codec, CodecState, Span, Wrapper
+from .casts import CastCodec
 from .formats import FloatFormat
+from .fp8 import Fp8Codec
+from .nvfp4 import Nvfp4Codec
 
-__all__ = ["Gift", "GiftConfig", "GiftFactor", "factor_from_gram", "Collective"]
+__all__ = ["Gift", "GiftConfig", "GiftFactor", "factor_from_gram", "range_hits", "Collective"]
 
 _META = ("gift", "meta")
+SPEC_OPTIONS = ("rank", "refresh", "ef", "profile", "top")
+"""GiftConfig fields that a spec string may set."""
+_PRIMAL_REMOVED = (
+    "gift option primal=1 was removed: it sent W S, whose error is even in the primal A-norm, but a gradient "
+    "is a dual object whose natural norm is the A^-1 one that the paper's W S^-1 whitening evens out; mapped "
+    "back through S^-1 the primal error grew in the weak input directions (Euclidean error 4.72 on real LM "
+    "gradients, issue #17). Drop the option")
 
 
 class Collective(Protocol):
@@ -104,12 +140,11 @@ class GiftConfig:
     profile: int = 0
     """Steps of fragility profiling (no transform) before selecting layers; 0 = off."""
     top: int = 0
-    """With profiling: keep this many most fragile layers (0 = every layer with any hit)."""
+    """With profiling: keep this many most fragile layers (0 = those above the mean + 1 sd of the hit fractions)."""
     layers: tuple[str, ...] | None = None
     """Explicit weight names to transform (overrides profiling); None = automatic."""
-    primal: bool = False
-    """Send W S instead of the paper's W S⁻¹: the quantisation error is then isotropic in the A-norm
-    ||E L_A|| (the metric of gift.md) instead of the A⁻¹-norm (the dual norm, the paper's whitening)."""
+    normalise: bool = True
+    """Scale the whitened tensor by c = sqrt(tr A / tr(A Â⁻¹)) so that it keeps the gradient's magnitude."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "refresh", "profile", "top"):
@@ -120,7 +155,7 @@ class GiftConfig:
             raise ValueError(f"GiftConfig.refresh={self.refresh!r}; use an int >= 1 (steps between refreshes)")
         if not isinstance(self.damping, (int, float)) or not 0.0 < float(self.damping) < 1.0:
             raise ValueError(f"GiftConfig.damping={self.damping!r}; use a float in (0, 1), e.g. 1e-3")
-        for name in ("ef", "primal"):
+        for name in ("ef", "normalise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r}; use True or False")
         if self.layers is not None:
@@ -133,7 +168,7 @@ class GiftConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GiftFactor:
-    """One layer's transform S = U diag(√λ) Uᵀ + √σ (I − U Uᵀ) (symmetric, S Sᵀ = modelled A)."""
+    """One layer's transform: W ↦ c · W S⁻¹ on the wire, S = U diag(√λ) Uᵀ + √σ (I − U Uᵀ)."""
 
     u: np.ndarray
     """Top eigenvectors, d_in × r, orthonormal columns (float64)."""
@@ -141,48 +176,66 @@ class GiftFactor:
     """Their damped eigenvalues, r (float64)."""
     sigma: float
     """Damped eigenvalue of the isotropic remainder."""
+    scale: float = 1.0
+    """The normalisation c (1.0: none)."""
+    _terms: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """(array kind, device, dtype, power) -> (scalar, U, coefficients) on that device."""
 
     @property
     def d(self) -> int:
         """Return the input width d_in."""
         return int(self.u.shape[0])
 
+    def _device_terms(self, w: Any, power: float) -> tuple[float, Any, Any]:
+        key = (type(w).__module__, str(getattr(w, "device", "cpu")), str(w.dtype), power)
+        found = self._terms.get(key)
+        if found is None:
+            c = self.scale ** (-2.0 * power)  # forward (power -1/2) multiplies by c, inverse divides
+            scalar = float(c * self.sigma**power)
+            coeff = c * (self.lam**power - self.sigma**power)
+            if isinstance(w, np.ndarray):
+                u, coeff = self.u.astype(w.dtype), coeff.astype(w.dtype)
+            else:  # a torch tensor: keep the terms on its device, made once
+                import torch
+
+                u = torch.as_tensor(self.u, dtype=w.dtype, device=w.device)
+                coeff = torch.as_tensor(coeff, dtype=w.dtype, device=w.device)
+            found = self._terms[key] = (scalar, u, coeff)
+        return found
+
     def _apply(self, w: Any, power: float) -> Any:
-        scale = float(self.sigma**power)
-        coeff = self.lam**power - self.sigma**power
-        if isinstance(w, np.ndarray):
-            u, coeff = self.u.astype(w.dtype, copy=False), coeff.astype(w.dtype)
-        else:  # a torch tensor: the same math on its device
-            import torch
+        scalar, u, coeff = self._device_terms(w, power)
+        return w * scalar + ((w @ u) * coeff) @ u.T
 
-            u = torch.as_tensor(self.u, dtype=w.dtype, device=w.device)
-            coeff = torch.as_tensor(coeff, dtype=w.dtype, device=w.device)
-        return w * scale + ((w @ u) * coeff) @ u.T
+    def forward(self, w: Any) -> Any:
+        """Return c · W S⁻¹ (= c · W S⁻ᵀ) for W of shape (..., d_in), in W's dtype and on its device."""
+        return self._apply(w, -0.5)
 
-    def forward(self, w: Any, primal: bool = False) -> Any:
-        """Return W S⁻¹ (= W S⁻ᵀ) for W of shape (..., d_in), in W's dtype; W S if ``primal``."""
-        return self._apply(w, 0.5 if primal else -0.5)
-
-    def inverse(self, w: Any, primal: bool = False) -> Any:
-        """Return W S (= W Sᵀ): the map back from wire coordinates; W S⁻¹ if ``primal``."""
-        return self._apply(w, -0.5 if primal else 0.5)
+    def inverse(self, w: Any) -> Any:
+        """Return W S / c: the map back from wire coordinates."""
+        return self._apply(w, 0.5)
 
     def matrix(self) -> np.ndarray:
-        """Return S as a dense float64 matrix (for tests and metrics)."""
-        return self.inverse(np.eye(self.d))
+        """Return S, the symmetric square root of the modelled A, as a dense float64 matrix."""
+        return self.inverse(np.eye(self.d)) * self.scale
+
+    def wire_matrix(self) -> np.ndarray:
+        """Return T = c S⁻¹ (dense float64): the wire carries W T."""
+        return self.forward(np.eye(self.d))
 
     def arrays(self) -> dict[str, Any]:
         """Return the factor as state-dict values."""
-        return {"u": self.u, "lam": self.lam, "sigma": float(self.sigma)}
+        return {"u": self.u, "lam": self.lam, "sigma": float(self.sigma), "scale": float(self.scale)}
 
 
 def factor_from_gram(gram: np.ndarray, *, rank: int, damping: float, name: str = "layer",
-                     warn_singular: bool = True) -> GiftFactor | None:
+                     warn_singular: bool = True, normalise: bool = True) -> GiftFactor | None:
     """Return the damped low-rank + isotropic factor of the second moment ``gram`` (None if unusable).
 
     Non-finite or all-zero statistics give None with a RuntimeWarning (the
     caller keeps the previous factor or none); singular statistics are damped,
-    with a warning unless ``warn_singular`` is False.
+    with a warning unless ``warn_singular`` is False. With ``normalise`` the
+    factor's scale is c = sqrt(tr A / tr(A Â⁻¹)) (see the module docstring).
     """
     a = np.asarray(gram, dtype=np.float64)
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
@@ -212,10 +265,76 @@ def factor_from_gram(gram: np.ndarray, *, rank: int, damping: float, name: str =
                       stacklevel=2)
     r = d if rank == 0 else rank
     top = evals[:r]
-    rest = max(trace - float(top.sum()), 0.0) / (d - r) if r < d else 0.0
-    return GiftFactor(u=np.ascontiguousarray(evecs[:, ::-1][:, :r]), lam=top + delta, sigma=rest + delta)
+    rest = max(trace - float(top.sum()), 0.0)
+    lam, sigma = top + delta, (rest / (d - r) if r < d else 0.0) + delta
+    # tr(A Â⁻¹): the top directions exactly, the remainder through its trace (Â⁻¹ = 1/σ there)
+    whitened = float(np.sum(top / lam)) + (rest / sigma if r < d else 0.0)
+    scale = float(np.sqrt(trace / whitened)) if normalise and whitened > 0.0 else 1.0
+    return GiftFactor(u=np.ascontiguousarray(evecs[:, ::-1][:, :r]), lam=lam, sigma=sigma, scale=scale)
 
 
+# ---------------------------------------------------------------------- range hits
+def _wire_codes(last: Codec, wire: Any, n: int) -> tuple[Any, FloatFormat] | None:
+    """Return the element codes of the first ``n`` encoded values (integers) and their format."""
+    if isinstance(last, Fp8Codec):
+        return wire[:n], last.format
+    if isinstance(last, Nvfp4Codec):  # two E2M1 codes per byte, the even element in the low nibble
+        packed = wire[:-(-n // 2)]
+        pair = (packed & 15, packed >> 4)
+        both = np.stack(pair, axis=1) if isinstance(packed, np.ndarray) else _torch_stack(pair)
+        return both.reshape(-1)[:n], last.elem
+    if isinstance(last, CastCodec):  # little-endian 16-bit codes
+        lo, hi = wire[0:2 * n:2], wire[1:2 * n:2]
+        if isinstance(wire, np.ndarray):
+            return lo.astype(np.int32) | (hi.astype(np.int32) << 8), last.format
+        import torch
+
+        return lo.to(torch.int32) | (hi.to(torch.int32) << 8), last.format
+    return None
+
+
+def _torch_stack(pair: tuple[Any, Any]) -> Any:
+    import torch
+
+    return torch.stack(pair, dim=1)
+
+
+def has_codes(codec: Codec) -> bool:
+    """Return whether ``codec``'s wire carries number-format codes that :func:`range_hits` can read."""
+    return isinstance(codec.stages[-1], (Fp8Codec, Nvfp4Codec, CastCodec))
+
+
+def range_hits(codec: Codec, wire: Any, x: Any) -> tuple[Any, Any] | None:
+    """Return boolean masks (flushed, top) over the elements of ``x`` encoded in the bytes ``wire``.
+
+    ``flushed``: the code is ±0 although the value was not; ``top``: the code is
+    the format's largest finite magnitude (saturated, or the amax of its scale
+    group). The codes are those of ``codec``'s innermost format (FP8, NVFP4's
+    E2M1, fp16/bf16); None for a wire without codes (``none``). With a
+    transform between (``hadamard+``) ``x`` is the untransformed input, so
+    "flushed" counts the transformed codes at zero where ``x`` is non-zero.
+    Arrays of ``x``'s kind and device.
+    """
+    n = int(x.shape[0])
+    found = _wire_codes(codec.stages[-1], wire, n)
+    if found is None:
+        return None
+    codes, fmt = found
+    magnitude = codes & (fmt.sign_mask - 1)
+    return (magnitude == 0) & (x != 0), magnitude == fmt.max_code
+
+
+def _fragile(score: dict[str, float], top: int) -> list[str]:
+    """Return the selected layers: the ``top`` highest scores, or (top=0) those above mean + 1 sd; none at 0."""
+    hit = sorted((n for n in score if score[n] > 0.0), key=lambda n: (-score[n], n))
+    if top:
+        return sorted(hit[:top])
+    values = np.array(list(score.values()), dtype=np.float64)
+    bar = float(values.mean() + values.std()) if values.size else 0.0
+    return sorted(n for n in hit if score[n] > bar)
+
+
+# ---------------------------------------------------------------------- the stage
 class _GiftState(CodecState):
     """CodecState that tells its stage when a checkpoint replaced it."""
 
@@ -236,7 +355,7 @@ class _Live:
     buffer: Any
     plan: list[tuple[str, int, int, int]]  # (name, offset, rows, d_in)
     factors: dict[str, GiftFactor]
-    mask: Any  # float32 1 where transformed, or None
+    mask: Any  # float32 1 where transformed (x's kind and device), or None
     members: list[tuple[str, int, int]]  # profiled weights: (name, offset, numel)
 
 
@@ -256,23 +375,32 @@ class Gift(Wrapper):
         self._declared: dict[str, int] = {}
         self._live: dict[Hashable, _Live] = {}
         self._factors: dict[str, GiftFactor] | None = None
-        self._masks: dict[tuple[Hashable, int], Any] = {}
+        self._masks: dict[tuple[Hashable, int, str], Any] = {}
         self._verified = True
         self._warned: set[str] = set()
         self.timings = {"transform_s": 0.0, "feedback_s": 0.0, "refresh_s": 0.0, "refreshes": 0}
-        self._man_bits = _element_mantissa_bits(codec)
-        if self.config.profile and self._man_bits is None:
-            raise ValueError(f"GIFT profile={self.config.profile} needs a floating-point inner codec to count "
-                             f"range hits; {codec.spec!r} has none (use profile=0 or explicit layers)")
+        if self.config.profile and not has_codes(codec):
+            raise ValueError(f"GIFT profile={self.config.profile} counts the range hits of the inner codec's "
+                             f"number format; {codec.spec!r} has none (use profile=0 or explicit layers)")
 
     @classmethod
     def from_spec(cls, codec: Codec, **options: int) -> Gift:
         """Build the stage from spec options (``ef`` given as 0/1); the registry's ``gift`` factory."""
-        for flag in ("ef", "primal"):
-            if flag in options:
-                if options[flag] not in (0, 1):
-                    raise ValueError(f"gift option {flag}={options[flag]!r}; use {flag}=0 or {flag}=1")
-                options = {**options, flag: bool(options[flag])}
+        options = dict(options)
+        if "primal" in options:  # removed; primal=0 (the only orientation now) is still accepted
+            value = options.pop("primal")
+            if value == 1:
+                raise ValueError(_PRIMAL_REMOVED)
+            if value != 0:
+                raise ValueError(f"gift option primal={value!r} is not valid (the option was removed); drop it")
+        unknown = sorted(set(options) - set(SPEC_OPTIONS))
+        if unknown:
+            raise ValueError(f"gift options {unknown} are not spec options (those are {', '.join(SPEC_OPTIONS)}); "
+                             "damping, normalise and layers are set with GiftConfig")
+        if "ef" in options:
+            if options["ef"] not in (0, 1):
+                raise ValueError(f"gift option ef={options['ef']!r}; use ef=0 or ef=1")
+            options["ef"] = bool(options["ef"])
         return cls(codec, **options)
 
     # ------------------------------------------------------------------ codec contract
@@ -280,8 +408,7 @@ class Gift(Wrapper):
     def spec(self) -> str:
         """Return ``"gift[:options]+<inner spec>"`` (defaults omitted)."""
         c, default = self.config, GiftConfig()
-        opts = [f"{k}={int(getattr(c, k))}" for k in ("rank", "refresh", "ef", "profile", "top", "primal")
-                if getattr(c, k) != getattr(default, k)]
+        opts = [f"{k}={int(getattr(c, k))}" for k in SPEC_OPTIONS if getattr(c, k) != getattr(default, k)]
         return "gift" + (":" + ",".join(opts) if opts else "") + "+" + self.codec.spec
 
     def bind_layout(self, key: Hashable, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
@@ -358,21 +485,21 @@ class Gift(Wrapper):
             meta = self.state.slot(_META)
             meta["selection"], meta["auto"] = "\n".join(sorted(set(names))), 0
 
+    def profile_counts(self) -> dict[str, dict[str, float]]:
+        """Return this rank's profile counts per layer: ``flushed``, ``top`` and ``total`` (non-zero values)."""
+        return {key[2]: {k: float(self.state.slot(key).get(k, 0.0)) for k in ("flushed", "top", "total")}
+                for key in self.state.keys() if isinstance(key, tuple) and key[:2] == ("gift", "profile")}
+
     def fragility(self) -> dict[str, float]:
-        """Return the profiled fraction of elements outside the normal range, per layer (this rank)."""
-        out = {}
-        for key in self.state.keys():
-            if isinstance(key, tuple) and key[:2] == ("gift", "profile"):
-                slot = self.state.slot(key)
-                out[key[2]] = float(slot["hits"]) / max(float(slot["total"]), 1.0)
-        return out
+        """Return the profiled fraction of values at the top code or flushed to zero, per layer (this rank)."""
+        return {name: (c["flushed"] + c["top"]) / max(c["total"], 1.0) for name, c in self.profile_counts().items()}
 
     def factors(self) -> dict[str, GiftFactor]:
         """Return the current factors by weight name."""
         with self._lock:
             if self._factors is None:
                 self._factors = {key[2]: GiftFactor(u=np.asarray(s["u"]), lam=np.asarray(s["lam"]),
-                                                    sigma=float(s["sigma"]))
+                                                    sigma=float(s["sigma"]), scale=float(s.get("scale", 1.0)))
                                  for key in self.state.keys() if isinstance(key, tuple) and key[:2] == ("gift", "factor")
                                  for s in (self.state.slot(key),) if "u" in s}
             return self._factors
@@ -382,7 +509,7 @@ class Gift(Wrapper):
         crc = zlib.crc32(f"{self.version}|{self.selection}".encode())
         for name, f in sorted(self.factors().items()):
             crc = zlib.crc32(name.encode(), crc)
-            for arr in (f.u, f.lam, np.float64(f.sigma)):
+            for arr in (f.u, f.lam, np.float64(f.sigma), np.float64(f.scale)):
                 crc = zlib.crc32(np.ascontiguousarray(arr, dtype=np.float64).tobytes(), crc)
         return crc
 
@@ -431,7 +558,7 @@ class Gift(Wrapper):
             me = comm.rank if size > 1 else 0
             # Singular statistics are the rule after LayerNorm (rank d_in - 1): warn once per layer.
             mine = {name: factor_from_gram(g, rank=self.config.rank, damping=float(self.config.damping), name=name,
-                                           warn_singular=name not in self._warned)
+                                           warn_singular=name not in self._warned, normalise=self.config.normalise)
                     for i, (name, g) in enumerate(sorted(grams.items())) if i % size == me}
             self._warned.update(mine)
             computed: dict[str, GiftFactor | None] = {}
@@ -469,18 +596,19 @@ class Gift(Wrapper):
         names = sorted(self._declared)
         # A profiling step is one tensor_forward of every key: the least-called key counts.
         calls = [int(self.state.slot(k)["calls"]) for k in self.state.keys() if "calls" in self.state.slot(k)]
-        counts = np.array([float(self.state.slot(("gift", "profile", n)).get(k, 0.0))
-                           for n in names for k in ("hits", "total")] + [float(min(calls, default=0))])
+        counts = self.profile_counts()
+        zero = {"flushed": 0.0, "top": 0.0, "total": 0.0}
+        packed = np.array([counts.get(n, zero)[k] for n in names for k in ("flushed", "top", "total")]
+                          + [float(min(calls, default=0))])
         if size > 1:
-            steps = np.asarray(comm.allreduce(counts[-1:].copy(), "min"))[0]
-            counts = np.asarray(comm.allreduce(counts, "sum"))
+            steps = np.asarray(comm.allreduce(packed[-1:].copy(), "min"))[0]
+            packed = np.asarray(comm.allreduce(packed, "sum"))
         else:
-            steps = counts[-1]
+            steps = packed[-1]
         if steps < self.config.profile:
             return
-        score = {n: counts[2 * i] / max(counts[2 * i + 1], 1.0) for i, n in enumerate(names)}
-        ranked = sorted((n for n in names if score[n] > 0.0), key=lambda n: (-score[n], n))
-        meta["selection"] = "\n".join(sorted(ranked[: self.config.top] if self.config.top else ranked))
+        score = {n: (packed[3 * i] + packed[3 * i + 1]) / max(packed[3 * i + 2], 1.0) for i, n in enumerate(names)}
+        meta["selection"] = "\n".join(_fragile(score, self.config.top))
         meta["auto"] = 0
 
     def _remap_residuals(self, old: dict[str, GiftFactor], new: dict[str, GiftFactor]) -> None:
@@ -491,8 +619,8 @@ class Gift(Wrapper):
             r = slot["residual"]
             for name, off, rows, d in self._plan(key, int(r.shape[0]), old):
                 seg = r[off:off + rows * d].reshape(rows, d)
-                back = old[name].inverse(seg.astype(np.float64), self.config.primal)
-                seg[...] = new[name].forward(back, self.config.primal) if name in new and new[name].d == d else back
+                back = old[name].inverse(seg.astype(np.float64) if isinstance(seg, np.ndarray) else seg.double())
+                seg[...] = new[name].forward(back) if name in new and new[name].d == d else back
 
     # ------------------------------------------------------------------ whole-tensor mapping
     def _layout(self, key: Hashable, n: int, factors: dict[str, GiftFactor]) -> list[tuple[str, int, tuple]]:
@@ -517,13 +645,14 @@ class Gift(Wrapper):
             plan.append((name, off, shape[0], shape[1]))
         return plan
 
-    def _mask(self, key: Hashable, n: int, plan: list[tuple[str, int, int, int]]) -> np.ndarray:
-        cached = self._masks.get((key, n))
+    def _mask(self, key: Hashable, n: int, plan: list[tuple[str, int, int, int]], like: Any) -> Any:
+        where = str(getattr(like, "device", "numpy"))
+        cached = self._masks.get((key, n, where))
         if cached is None:
             cached = np.zeros(n, np.float32)
             for _, off, rows, d in plan:
                 cached[off:off + rows * d] = 1.0
-            self._masks[(key, n)] = cached
+            cached = self._masks[(key, n, where)] = _like(cached, like)
         return cached
 
     def _check_verified(self) -> None:
@@ -532,7 +661,7 @@ class Gift(Wrapper):
                                "codec.verify(comm) on every rank (DistributedOptimizer.load_state_dict does this)")
 
     def tensor_forward(self, x: Any, key: Hashable = None) -> Any:
-        """Return the flat tensor ``x`` with each selected weight W replaced by W S⁻ᵀ (a copy; ``x`` if none applies)."""
+        """Return the flat tensor ``x`` with each selected weight W replaced by c · W S⁻ᵀ (a copy; ``x`` if none)."""
         start = time.perf_counter()
         with self._lock:
             factors = self.factors()
@@ -540,9 +669,8 @@ class Gift(Wrapper):
                 self._check_verified()
             n = int(x.shape[0])
             plan = self._plan(key, n, factors)
-            profiling = self._profiling()
             members = []
-            if profiling:
+            if self._profiling():
                 slot = self.state.slot(key)
                 slot["calls"] = int(slot.get("calls", 0)) + 1
                 members = [(name, off, int(np.prod(shape))) for name, off, shape in self._layout(key, n, factors)
@@ -550,17 +678,19 @@ class Gift(Wrapper):
             if not plan and not members:
                 self._live.pop(key, None)
                 return x
-            y = x.copy() if isinstance(x, np.ndarray) else x.clone()
-            for name, off, rows, d in plan:
-                seg = y[off:off + rows * d].reshape(rows, d)
-                seg[...] = factors[name].forward(seg, self.config.primal)
-            mask = self._mask(key, n, plan) if plan and self.config.ef else None
+            y = x
+            if plan:  # a copy that we own: the caller's tensor is never modified
+                y = x.copy() if isinstance(x, np.ndarray) else x.clone()
+                for name, off, rows, d in plan:
+                    seg = y[off:off + rows * d].reshape(rows, d)
+                    seg[...] = factors[name].forward(seg)
+            mask = self._mask(key, n, plan, x) if plan and self.config.ef else None
             self._live[key] = _Live(buffer=y, plan=plan, factors=factors, mask=mask, members=members)
         self.timings["transform_s"] += time.perf_counter() - start
         return y
 
     def tensor_inverse(self, y: Any, key: Hashable = None) -> None:
-        """Map the reduced tensor ``y`` back in place: each transformed weight W̃ becomes W̃ Sᵀ."""
+        """Map the reduced tensor ``y`` back in place: each transformed weight W̃ becomes W̃ Sᵀ / c."""
         start = time.perf_counter()
         with self._lock:
             live = self._live.pop(key, None)
@@ -568,7 +698,7 @@ class Gift(Wrapper):
             return
         for name, off, rows, d in live.plan:
             seg = y[off:off + rows * d].reshape(rows, d)
-            seg[...] = live.factors[name].inverse(seg, self.config.primal)
+            seg[...] = live.factors[name].inverse(seg)
         self.timings["transform_s"] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ profiling and error feedback
@@ -576,7 +706,10 @@ class Gift(Wrapper):
         return bool(self.config.profile) and self.config.layers is None and self.selection is None
 
     def _locate(self, x: Any, key: Hashable) -> tuple[_Live, Hashable, int] | None:
-        for k in (key, key[0] if isinstance(key, tuple) and key else None):
+        # The compressed all-reduce encodes chunks under derived keys: (name, "g") whole,
+        # Span((name, "w"), start, total) per pipeline chunk; the live tensor is ``name``.
+        base = key.base if isinstance(key, Span) else key
+        for k in (base, base[0] if isinstance(base, tuple) and base else None):
             live = self._live.get(k) if k is not None and _hashable(k) else None
             if live is not None:
                 off = _offset_in(x, live.buffer)
@@ -597,36 +730,33 @@ class Gift(Wrapper):
         if live.mask is not None:
             with self._lock:
                 slot = self.state.slot(tkey)
-                residual = slot.get("residual")
-                size = int(live.buffer.shape[0])
-                if residual is None or int(residual.shape[0]) != size:
-                    residual = slot["residual"] = np.zeros(size, np.float32)
-            y = x + _like(residual[off:off + n], x)
+                residual = slot["residual"] = _residual_like(slot.get("residual"), x, int(live.buffer.shape[0]))
+            y = x + residual[off:off + n]
         self.codec._encode(y, out, key)
-        decoded = self.codec._decode(out, n, _arrays.empty_f32(x, n))
         if residual is not None:
-            err = _to_numpy(y - decoded) * live.mask[off:off + n]
-            residual[off:off + n] = np.nan_to_num(err, nan=0.0, posinf=0.0, neginf=0.0)
+            decoded = self.codec._decode(out, n, _arrays.empty_f32(x, n))
+            err = (y - decoded) * live.mask[off:off + n]
+            residual[off:off + n] = _finite(err)
         if live.members:
-            self._count_hits(live.members, off, _to_numpy(y), _to_numpy(decoded))
+            self._count_hits(live.members, off, out, y)
         self.timings["feedback_s"] += time.perf_counter() - start
 
-    def _count_hits(self, members: list[tuple[str, int, int]], off: int, y: np.ndarray, dec: np.ndarray) -> None:
-        # Inside the normal range RNE errs by at most 2^-(M+1) relative; more means the element
-        # was flushed, subnormal or saturated: the range limits GIFT is meant to relieve.
-        bound = 2.0 ** -(self._man_bits + 1) * (1.0 + 2.0**-10)
-        n = y.shape[0]
+    def _count_hits(self, members: list[tuple[str, int, int]], off: int, out: Any, y: Any) -> None:
+        hits = range_hits(self.codec, out, y)
+        if hits is None:
+            return
+        flushed, top = hits
+        n = int(y.shape[0])
         for name, lo, numel in members:
             a, b = max(lo, off), min(lo + numel, off + n)
             if a >= b:
                 continue
-            ys, ds = y[a - off:b - off], dec[a - off:b - off]
-            nz = ys != 0
-            hits = int(np.count_nonzero(nz & (np.abs(ds - ys) > bound * np.abs(ys))))
+            part = slice(a - off, b - off)
+            counts = [_count(flushed[part]), _count(top[part]), _count(y[part] != 0)]
             with self._lock:
                 slot = self.state.slot(("gift", "profile", name))
-                slot["hits"] = float(slot.get("hits", 0.0)) + hits
-                slot["total"] = float(slot.get("total", 0.0)) + int(np.count_nonzero(nz))
+                for k, v in zip(("flushed", "top", "total"), counts):
+                    slot[k] = float(slot.get(k, 0.0)) + v
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         return self.codec._decode(buf, n, out)
@@ -634,7 +764,7 @@ class Gift(Wrapper):
     def _decode_add(self, buf: Any, n: int, out: Any) -> None:
         self.codec._decode_add(buf, n, out)  # the inverse transform runs on the whole reduced tensor
 
-    def residual(self, key: Hashable) -> np.ndarray | None:
+    def residual(self, key: Hashable) -> Any:
         """Return the error-feedback residual of tensor ``key`` in transformed coordinates (or None)."""
         return self.state.slot(key).get("residual") if key in self.state else None
 
@@ -660,6 +790,8 @@ def _offset_in(x: Any, base: Any) -> int | None:
     """Return where the contiguous float32 chunk ``x`` starts inside ``base`` (None if outside)."""
     if type(x) is not type(base) or _arrays.dtype_name(x) != "float32":
         return None
+    if not isinstance(x, np.ndarray) and x.device != base.device:
+        return None
     diff = _address(x) - _address(base)
     n = int(x.shape[0])
     if diff < 0 or diff % 4 or diff // 4 + n > int(base.shape[0]):
@@ -668,6 +800,7 @@ def _offset_in(x: Any, base: Any) -> int | None:
 
 
 def _like(value: np.ndarray, x: Any) -> Any:
+    """Return the numpy array ``value`` as x's kind, on x's device."""
     if isinstance(x, np.ndarray):
         return value
     import torch
@@ -675,14 +808,24 @@ def _like(value: np.ndarray, x: Any) -> Any:
     return torch.as_tensor(value, device=x.device)
 
 
-def _to_numpy(a: Any) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.detach().cpu().numpy()
+def _residual_like(residual: Any, x: Any, size: int) -> Any:
+    """Return ``residual`` (zeros if missing or of another length) as x's kind, on x's device."""
+    if residual is None or int(residual.shape[0]) != size:
+        return np.zeros(size, np.float32) if isinstance(x, np.ndarray) else x.new_zeros(size)
+    if isinstance(x, np.ndarray):
+        return residual if isinstance(residual, np.ndarray) else residual.detach().cpu().numpy()
+    if isinstance(residual, np.ndarray) or residual.device != x.device:  # e.g. just loaded from a checkpoint
+        import torch
+
+        return torch.as_tensor(residual, dtype=torch.float32, device=x.device)
+    return residual
 
 
-def _element_mantissa_bits(codec: Codec) -> int | None:
-    for stage in codec.stages:
-        for attr in ("elem", "format"):
-            fmt = getattr(stage, attr, None)
-            if isinstance(fmt, FloatFormat):
-                return fmt.man_bits
-    return None
+def _finite(err: Any) -> Any:
+    if isinstance(err, np.ndarray):
+        return np.nan_to_num(err, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    return err.nan_to_num_(0.0, 0.0, 0.0)
+
+
+def _count(mask: Any) -> int:
+    return int(np.count_nonzero(mask)) if isinstance(mask, np.ndarray) else int(mask.count_nonzero())

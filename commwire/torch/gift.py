@@ -5,12 +5,17 @@ input second moment A = E[a aᵀ]. :class:`GiftHooks` puts a forward hook on
 every ``nn.Linear`` whose weight the optimizer trains, names it as in
 ``named_parameters`` (the names the fusion buckets use), and collects
 ``Σ a aᵀ`` cheaply: only during the ``window`` steps before each refresh, and
-from at most ``max_rows`` strided rows of each input (tokens × batch). After
-``optimizer.step()`` it counts the step and, every ``refresh`` steps of the
-codec's config, hands the sums to the codec and calls its collective
-``refresh`` (statistics all-reduced, factors identical on every rank). The
-first refresh happens after ``window`` steps; until then gradients travel
-untransformed.
+from at most ``max_rows`` strided rows of each input (tokens × batch), on the
+layer's own device. After ``optimizer.step()`` it counts the step and, on the
+refresh steps, hands the sums to the codec (one device-to-host copy per layer)
+and calls its collective ``refresh`` (statistics all-reduced, factors
+identical on every rank).
+
+Schedule (the paper's protocol): the first refresh follows step
+``max(profile, window)`` — with ``profile=100`` the codec has counted the
+layers' range hits over steps 1..100 and selects the fragile layers there —
+then one every ``refresh`` steps (default 50): steps P, P + K, P + 2K, ...
+Until the first refresh gradients travel untransformed.
 
 ``DistributedOptimizer(..., compression="gift+fp8-e4m3", model=model)`` wires
 this up itself; :func:`attach` does it for an optimizer built without
@@ -19,7 +24,7 @@ this up itself; :func:`attach` does it for an optimizer built without
 Example:
     >>> opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()),
     ...                                named_parameters=model.named_parameters(),
-    ...                                compression=hvd.Compression.gift_fp8, model=model)
+    ...                                compression="gift:profile=100,top=2+fp8-e4m3", model=model)
 """
 
 from __future__ import annotations
@@ -108,17 +113,23 @@ class GiftHooks:
     def _window(self) -> int:
         return min(self.config.window, self.stage.config.refresh)
 
+    def first_refresh(self) -> int:
+        """Return the step after which the first refresh runs: ``max(profile, window)``."""
+        return max(self.stage.config.profile, self._window())
+
     def refresh_due(self, completed: int) -> bool:
         """Return whether a refresh follows step number ``completed`` (1-based)."""
-        w, k = self._window(), self.stage.config.refresh
-        return completed >= w and (completed - w) % k == 0
+        first, k = self.first_refresh(), self.stage.config.refresh
+        return completed >= first and (completed - first) % k == 0
+
+    def _next_refresh(self, step: int) -> int:
+        first, k = self.first_refresh(), self.stage.config.refresh
+        return first if step <= first else first + -(-(step - first) // k) * k
 
     def collecting(self) -> bool:
         """Return whether the step now running feeds the next refresh's statistics."""
         upcoming = self.steps + 1
-        w, k = self._window(), self.stage.config.refresh
-        next_refresh = w if upcoming <= w else w + -(-(upcoming - w) // k) * k
-        return next_refresh - upcoming < w
+        return self._next_refresh(upcoming) - upcoming < self._window()
 
     # ----------------------------------------------------------------- hooks
     def _hook(self, name: str) -> Any:

@@ -109,3 +109,33 @@ def test_distributed_optimizer_with_gift_keeps_ranks_identical():
     everyone = COMM.allgather_object(flat)
     assert all(f == everyone[0] for f in everyone)
     opt.load_state_dict(opt.state_dict())  # verifies the factors across ranks
+
+
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "ef+nvfp4", "gift:rank=6+fp8-e4m3", "gift:rank=6+nvfp4"])
+@pytest.mark.parametrize("small", [True, False])
+def test_simulated_allreduce_is_bit_identical_to_the_real_collective(spec, small):
+    """The GIFT benchmark's one-process simulation (commwire.bench.simulated) against the real collective."""
+    from commwire.bench.simulated import SimulatedAllreduce
+    from commwire.codecs.collective import segment_bytes_for
+
+    real = _refreshed(spec) if spec.startswith("gift") else codecs.get(spec)
+    sim = codecs.get(spec)
+    if spec.startswith("gift"):
+        sim.load_state_dict(real.state_dict())  # the same factors (identical on every rank after the refresh)
+        sim.verify(COMM)
+    layout = [("l0.bias", 0, (24,)), ("l0.weight", 24, (40, 24)), ("l1.weight", 984, (40, 24)),
+              ("l2.weight", 1944, (12000, 24))]
+    n = 1944 + 12000 * 24  # several pipeline segments, the first one smaller
+    real.bind_layout("bucket", layout)
+    small_bytes = 1 << 30 if small else 0
+    reduce = SimulatedAllreduce(sim, SIZE, peer_bytes=32 << 10, small_bytes=small_bytes)
+    reduce.bind_layout("bucket", layout)
+    columns = np.tile(np.geomspace(10.0, 0.1, 24), n // 24)
+    for call in range(3):  # later calls exercise error-feedback residuals
+        parts = [(np.random.default_rng(50 * call + r).standard_normal(n) * columns).astype(np.float32)
+                 for r in range(SIZE)]
+        got = compressed_allreduce(COMM, parts[RANK], "avg", codec=real, name="bucket", small_bytes=small_bytes,
+                                   segment_bytes=segment_bytes_for(real, SIZE, 32 << 10))
+        want = reduce("bucket", parts)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+        assert got.tobytes() == want.tobytes(), f"call {call}: max |diff| {np.abs(got - want).max()}"
