@@ -7,6 +7,14 @@ l2/2 ||w||^2, float64 over all rows) and, against FP32 SGD with the same batch
 size and steps, the speed-up and the relative loss gap. The sweep over s and b
 is reported in full, including the configurations where CA-SGD loses.
 
+The ``auto`` table runs every configuration to convergence under ``tol`` instead
+(the same tol, epochs cap and seed for all): FP32 SGD and mixed CA-SGD at each
+fixed s and at s="auto" (s chosen at fit time from the measured link and Gram
+cost), per batch size. Its speed-up is per inner step (µs/step of the run to
+convergence, the tuning time of "auto" included), as runs stop after different
+epochs; the time to tol and its ratio are shown too, and the loss gap is at
+convergence. A summary puts "auto" next to the best fixed s of each batch size.
+
 The benchmark uses whatever MPI world it is launched in, so the same command
 measures shared memory on one host (``mpiexec -n 4``) and TCP between hosts
 (the ``commwire lab`` namespaces). The header line gives the measured latency
@@ -30,7 +38,7 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["DATASETS", "run_glm_bench", "format_table", "main"]
+__all__ = ["DATASETS", "run_glm_bench", "format_table", "summarize_auto", "main"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +60,8 @@ DATASETS: dict[str, BenchSet] = {
                           note="1M x 28 dense logistic (like SUSY/HIGGS)"),
     "poisson": BenchSet(loss="poisson", m=500_000, n=64, lr=0.2, l2=1e-4,
                         note="500k x 64 dense Poisson, log link"),
+    "logistic-20k": BenchSet(loss="logistic", m=20_000, n=512, lr=1.0, l2=1e-4,
+                             note="20k x 512 dense logistic: the s='auto' comparison (issue #17)"),
 }
 
 
@@ -175,11 +185,97 @@ def _measure(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]]
     return rows
 
 
+def _converge(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]], repeats: int, seed: int,
+              stop: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run every configuration of ``plan`` ((solver, precision, s or "auto", b)) to convergence; return rows.
+
+    Repeats are interleaved as in ``_measure``; a row keeps the median over repeats of
+    the slowest rank's loop time plus (for "auto") its time choosing s, the steps and
+    epochs of the run, the s each repeat chose, and the objective at the last repeat's
+    weights.
+    """
+    import commwire as cw
+    from ..glm import SolverConfig, objective, solve
+
+    configs = [SolverConfig(loss=spec.loss, solver=solver, s=k, batch_size=b, lr=spec.lr, l2=spec.l2,
+                            precision=precision, seed=seed, **stop) for solver, precision, k, b in plan]
+    for cfg in configs:  # compile the kernels, touch the pages and connections before timing
+        warm = 2 * cfg.s if isinstance(cfg.s, int) else 64
+        solve(blocks, dataclasses.replace(cfg, max_steps=warm, tol=None), comm=comm)
+    runs: list[list[tuple[float, Any, int]]] = [[] for _ in configs]
+    for _ in range(repeats):
+        for i, cfg in enumerate(configs):
+            before = cw.stats().get("allreduce", {"calls": 0})["calls"]
+            comm.barrier()
+            result = solve(blocks, cfg, comm=comm)
+            calls = cw.stats()["allreduce"]["calls"] - before - (result.auto.allreduces if result.auto else 0)
+            tune = result.auto.tune_s if result.auto else 0.0
+            runs[i].append((comm.mpi.allreduce(result.time_s + tune, op=_max()), result, calls))
+    rows = []
+    for (solver, precision, k, b), cfg, samples in zip(plan, configs, runs):
+        walls = [w for w, _, _ in samples]
+        per_step = [w / r.n_steps for w, r, _ in samples]
+        chosen = [r.s for _, r, _ in samples]
+        result, calls = samples[-1][1], samples[-1][2]
+        tunes = [r.auto.tune_s for _, r, _ in samples if r.auto]
+        rows.append({
+            "table": "auto", "dataset": "", "solver": solver, "precision": precision,
+            "s": max(set(chosen), key=chosen.count), "s_setting": k, "s_chosen": chosen, "b": b,
+            "steps": int(np.median([r.n_steps for _, r, _ in samples])), "epochs": result.n_iter,
+            "converged": all(r.converged for _, r, _ in samples), "ranks": comm.size,
+            "wall_s": float(np.median(walls)), "wall_best_s": float(min(walls)), "wall_samples_s": walls,
+            "us_per_step": float(np.median(per_step)) * 1e6, "us_per_step_best": float(min(per_step)) * 1e6,
+            "tune_s": float(np.median(tunes)) if tunes else 0.0, "allreduces": calls,
+            "loss": objective(blocks, result.coef, result.intercept, loss=spec.loss, l2=spec.l2, comm=comm),
+        })
+    return rows
+
+
+def _compare_auto(rows: list[dict[str, Any]]) -> None:
+    """Add per-step and to-tol speed-ups and the loss gap at convergence against FP32 SGD of the same b."""
+    base = {(r["dataset"], r["b"]): r for r in rows
+            if r["table"] == "auto" and r["solver"] == "sgd" and r["precision"] == "fp32"}
+    for r in rows:
+        if r["table"] != "auto":
+            continue
+        ref = base.get((r["dataset"], r["b"]))
+        nan = float("nan")
+        r["speedup_per_step"] = ref["us_per_step"] / r["us_per_step"] if ref else nan
+        r["speedup_to_tol"] = ref["wall_s"] / r["wall_s"] if ref else nan
+        r["speedup_vs_sgd_fp32"] = r["speedup_per_step"]
+        r["best_speedup_vs_sgd_fp32"] = ref["us_per_step_best"] / r["us_per_step_best"] if ref else nan
+        r["loss_gap_vs_sgd_fp32"] = (r["loss"] - ref["loss"]) / abs(ref["loss"]) if ref else nan
+
+
+def summarize_auto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return, per data set and b of the auto table, the best fixed s and s="auto" side by side."""
+    out = []
+    groups = dict.fromkeys((r["dataset"], r["b"]) for r in rows if r["table"] == "auto")
+    for dataset, b in groups:
+        part = [r for r in rows if r["table"] == "auto" and (r["dataset"], r["b"]) == (dataset, b)]
+        fixed = [r for r in part if r["solver"] == "casgd" and r["s_setting"] != "auto"]
+        auto = next((r for r in part if r["s_setting"] == "auto"), None)
+        if not fixed or auto is None:
+            continue
+        best = max(fixed, key=lambda r: r["speedup_per_step"])
+        out.append({"dataset": dataset, "b": b, "best_s": best["s"], "best_speedup": best["speedup_per_step"],
+                    "best_speedup_to_tol": best["speedup_to_tol"], "best_loss_gap": best["loss_gap_vs_sgd_fp32"],
+                    "auto_s": auto["s_chosen"], "auto_speedup": auto["speedup_per_step"],
+                    "auto_speedup_to_tol": auto["speedup_to_tol"], "auto_loss_gap": auto["loss_gap_vs_sgd_fp32"],
+                    "auto_tune_s": auto["tune_s"], "auto_vs_best": auto["speedup_per_step"] / best["speedup_per_step"],
+                    "auto_vs_best_to_tol": auto["speedup_to_tol"] / best["speedup_to_tol"],
+                    "auto_converged": auto["converged"], "sgd_epochs": next(
+                        (r["epochs"] for r in part if r["solver"] == "sgd"), None)})
+    return out
+
+
 def _compare(rows: list[dict[str, Any]]) -> None:
     """Add speed-up and loss gap against FP32 SGD of the same data set, b and steps."""
     key = ("table", "dataset", "b", "steps")
     base = {tuple(r[k] for k in key): r for r in rows if r["solver"] == "sgd" and r["precision"] == "fp32"}
     for r in rows:
+        if r["table"] == "auto":
+            continue
         ref = base.get(tuple(r[k] for k in key))
         r["speedup_vs_sgd_fp32"] = ref["wall_s"] / r["wall_s"] if ref else float("nan")
         # Best-of-repeats ratio: other processes only ever add time, so the fastest repeat
@@ -191,8 +287,11 @@ def _compare(rows: list[dict[str, Any]]) -> None:
 def run_glm_bench(*, datasets: list[str] | None = None, sweep: list[str] | None = None,
                   s: int = 32, b: int = 4, s_values: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                   b_values: tuple[int, ...] = (4, 16, 64), steps: int = 4096, sweep_steps: int = 1024,
-                  repeats: int = 3, scale: float = 1.0, seed: int = 0, comm: Any = None) -> list[dict[str, Any]]:
-    """Run the headline comparison on each data set and the s x b sweep; return table rows.
+                  auto: list[str] | None = None, auto_b: tuple[int, ...] = (4, 16),
+                  auto_s: tuple[int, ...] = (2, 4, 8, 16, 32), tol: float = 1e-4, max_iter: int = 100,
+                  n_iter_no_change: int = 5, repeats: int = 3, scale: float = 1.0, seed: int = 0,
+                  comm: Any = None) -> list[dict[str, Any]]:
+    """Run the headline comparison, the s x b sweep and the s="auto" table; return table rows.
 
     Args:
         datasets: names from DATASETS for the headline rows (FP32 SGD, mixed SGD, FP32
@@ -200,6 +299,9 @@ def run_glm_bench(*, datasets: list[str] | None = None, sweep: list[str] | None 
         sweep: data sets swept over s_values x b_values (FP32 SGD and mixed CA-SGD per b);
             None: susy-like and epsilon-like.
         steps, sweep_steps: inner steps per run, the same for every solver.
+        auto: data sets of the auto table, run to convergence per b in auto_b: FP32 SGD, mixed
+            CA-SGD at each s of auto_s and at s="auto"; None: logistic-20k.
+        tol, max_iter, n_iter_no_change: the stopping rule of the auto table (SolverConfig's).
         repeats: interleaved timed runs per configuration (median of the slowest rank's time).
         scale: multiply every data set's row count (quick runs).
         comm: the Communicator (None: the world).
@@ -210,12 +312,14 @@ def run_glm_bench(*, datasets: list[str] | None = None, sweep: list[str] | None 
         comm = cw.init()
     datasets = list(DATASETS) if datasets is None else datasets
     sweep = ["susy-like", "epsilon-like"] if sweep is None else sweep
-    for name in [*datasets, *sweep]:
+    auto = ["logistic-20k"] if auto is None else auto
+    for name in [*datasets, *sweep, *auto]:
         if name not in DATASETS:
             raise ValueError(f"data set {name!r} is unknown; choose from {list(DATASETS)}")
     latency_before = _latency_us(comm)
     rows: list[dict[str, Any]] = []
-    for name in dict.fromkeys([*datasets, *sweep]):
+    stop = {"tol": tol, "max_iter": max_iter, "n_iter_no_change": n_iter_no_change}
+    for name in dict.fromkeys([*datasets, *sweep, *auto]):
         spec, blocks = DATASETS[name], _blocks(name, comm, seed, scale)
         plan = []
         if name in datasets:
@@ -227,11 +331,22 @@ def run_glm_bench(*, datasets: list[str] | None = None, sweep: list[str] | None 
                 plan.append(("sweep", "sgd", "fp32", 1, bb, sweep_steps))
                 plan += [("sweep", "casgd", "mixed", k, bb, sweep_steps) for k in s_values
                          if k * bb <= blocks.n_samples]
-        for row in _measure(blocks, spec, comm, list(dict.fromkeys(plan)), repeats, seed):
-            row.update(dataset=name, m=blocks.n_samples, n=spec.n)
-            rows.append(row)
+        if plan:
+            for row in _measure(blocks, spec, comm, list(dict.fromkeys(plan)), repeats, seed):
+                row.update(dataset=name, m=blocks.n_samples, n=spec.n)
+                rows.append(row)
+        if name in auto:
+            converge = []
+            for bb in auto_b:
+                converge.append(("sgd", "fp32", 1, bb))
+                converge += [("casgd", "mixed", k, bb) for k in auto_s if k * bb <= blocks.n_samples]
+                converge.append(("casgd", "mixed", "auto", bb))
+            for row in _converge(blocks, spec, comm, converge, repeats, seed, stop):
+                row.update(dataset=name, m=blocks.n_samples, n=spec.n, tol=tol)
+                rows.append(row)
         del blocks
     _compare(rows)
+    _compare_auto(rows)
     latency_after = _latency_us(comm)
     for r in rows:
         r["small_allreduce_us"] = (latency_before, latency_after)
@@ -253,7 +368,7 @@ def _spread(row: dict[str, Any]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Render benchmark rows as Markdown tables (headline, then sweep)."""
+    """Render benchmark rows as Markdown tables (headline, sweep, then the auto table and its summary)."""
     if not rows:
         return "(no rows)"
     head = ["data set", "m x n", "solver", "precision", "s", "b", "steps", "wall s", "spread", "µs/step",
@@ -278,7 +393,42 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{100 * r['loss_gap_vs_sgd_fp32']:+.3f}%", f"{r['speedup_vs_sgd_fp32']:.2f}x",
                 f"{r['best_speedup_vs_sgd_fp32']:.2f}x",
             ]) + " |")
+    out += _format_auto(rows)
     return "\n".join(out)
+
+
+def _format_auto(rows: list[dict[str, Any]]) -> list[str]:
+    part = [r for r in rows if r["table"] == "auto"]
+    if not part:
+        return []
+    head = ["data set", "m x n", "solver", "precision", "s", "b", "epochs", "steps", "wall s to tol", "spread",
+            "µs/step", "tuning ms", "allreduces", "final loss", "loss gap", "speed-up per step", "best-of per step",
+            "speed-up to tol"]
+    out = ["", f"### auto: s chosen at fit time vs fixed s, each run to convergence (tol={part[0]['tol']:g})", "",
+           "Speed-up: FP32 SGD's µs/step over the row's, both to convergence (\"auto\" pays its tuning); loss gap "
+           "at convergence. s of \"auto\": the s chosen in each repeat.", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in part:
+        s = (f"auto → {','.join(map(str, r['s_chosen']))}" if r["s_setting"] == "auto" else str(r["s"]))
+        epochs = f"{r['epochs']}" + ("" if r["converged"] else " (cap)")
+        out.append("| " + " | ".join([
+            r["dataset"], f"{r['m']} x {r['n']}", r["solver"], r["precision"], s, str(r["b"]), epochs,
+            str(r["steps"]), f"{r['wall_s']:.3f}", _spread(r), f"{r['us_per_step']:.1f}",
+            f"{r['tune_s'] * 1e3:.0f}" if r["s_setting"] == "auto" else "-", str(r["allreduces"]),
+            f"{r['loss']:.6f}", f"{100 * r['loss_gap_vs_sgd_fp32']:+.3f}%", f"{r['speedup_per_step']:.2f}x",
+            f"{r['best_speedup_vs_sgd_fp32']:.2f}x", f"{r['speedup_to_tol']:.2f}x"]) + " |")
+    summary = summarize_auto(rows)
+    if summary:
+        out += ["", "| data set | b | best fixed s | its speed-up | \"auto\" chose | \"auto\" speed-up | "
+                "auto / best | to tol: best, auto, auto / best | loss gap: best, auto |", "|" + "---|" * 9]
+        for x in summary:
+            out.append(f"| {x['dataset']} | {x['b']} | {x['best_s']} | {x['best_speedup']:.2f}x | "
+                       f"{','.join(map(str, x['auto_s']))} | {x['auto_speedup']:.2f}x | "
+                       f"{100 * x['auto_vs_best']:.0f}% | "
+                       f"{x['best_speedup_to_tol']:.2f}x, {x['auto_speedup_to_tol']:.2f}x, "
+                       f"{100 * x['auto_vs_best_to_tol']:.0f}% | {100 * x['best_loss_gap']:+.3f}%, "
+                       f"{100 * x['auto_loss_gap']:+.3f}% |")
+    return out
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -299,6 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b", type=int, default=4, help="batch size of the headline rows")
     parser.add_argument("--s-values", default="1,2,4,8,16,32", help="s values of the sweep")
     parser.add_argument("--b-values", default="4,16,64", help="batch sizes of the sweep")
+    parser.add_argument("--auto", default="logistic-20k",
+                        help="data sets of the s='auto' table, run to convergence ('' for none)")
+    parser.add_argument("--auto-b", default="4,16", help="batch sizes of the auto table")
+    parser.add_argument("--auto-s", default="2,4,8,16,32", help="fixed s values the auto table compares with")
+    parser.add_argument("--tol", type=float, default=1e-4, help="stopping tolerance of the auto table")
+    parser.add_argument("--max-iter", type=int, default=100, help="epoch cap of the auto table")
+    parser.add_argument("--n-iter-no-change", type=int, default=5, help="patience (epochs) of the auto table")
     parser.add_argument("--steps", type=int, default=4096, help="inner steps of each headline run")
     parser.add_argument("--sweep-steps", type=int, default=1024, help="inner steps of each sweep run")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per row (median kept)")
@@ -313,10 +470,13 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [v for v in args.datasets.split(",") if v.strip()]
     sweep = [v for v in args.sweep.split(",") if v.strip()]
+    auto = [v for v in args.auto.split(",") if v.strip()]
     if args.blas_threads is not None:
         set_threads(args.blas_threads)  # the solver limits BLAS to this (commwire.codecs thread policy)
     rows = run_glm_bench(datasets=names, sweep=sweep, s=args.s, b=args.b, s_values=_ints(args.s_values),
                          b_values=_ints(args.b_values), steps=args.steps, sweep_steps=args.sweep_steps,
+                         auto=auto, auto_b=_ints(args.auto_b), auto_s=_ints(args.auto_s), tol=args.tol,
+                         max_iter=args.max_iter, n_iter_no_change=args.n_iter_no_change,
                          repeats=args.repeats, scale=args.scale, seed=args.seed)
     emit(format_table(rows), rows, args.json_path, rank=cw.rank())
     return 0

@@ -56,6 +56,14 @@ spin in MPI on the same cores stretch c beyond g. The projection takes c per
 rank as a + b/P (a fixed part and the n/P columns), fitted on the measured node
 counts.
 
+CA-SGD's s (``GLM(s="auto")``, ``commwire.glm._auto``): at fit time the solver
+all-reduces each candidate's payload a few times on its own ranks, fits α, α_large,
+β with ``fit_link`` (whichever of the tbf and plain shapes fits better), times each
+candidate's local work per exchange c_s (gather, Gram, recurrence, update), and
+takes the s of least time per inner step, ``casgd_step_seconds``:
+
+    T(s) = step_seconds(words(s, b)·itemsize, c_s) / s,   words(s, b) = s·b + s(s−1)/2 · b².
+
 Run:
     commwire bench project --calibrate lab2.json lab4.json lab8.json --fit-sizes 16,4K,256K,16M \
         --validate lab2.json lab4.json lab8.json
@@ -80,7 +88,7 @@ from ..codecs.collective import PEER_CHOICES, segment_bytes_at  # the all-reduce
 
 __all__ = ["LinkModel", "fit", "allreduce_seconds", "compressed_seconds", "validate", "validate_codec", "main",
            "INJECT_BYTES", "segment_bytes", "step_seconds", "glm_seconds", "fit_compute", "validate_glm",
-           "compute_at"]
+           "compute_at", "sstep_words", "casgd_step_seconds", "choose_s", "fit_link"]
 
 
 INJECT_BYTES = 128
@@ -254,6 +262,55 @@ def step_seconds(m: LinkModel, nbytes: float, p: int, compute_s: float) -> float
     """
     latency, transfer = _round_terms(m, nbytes, p)
     return _combine(m, compute_s * m.compute_factor(p) + latency, transfer)
+
+
+def sstep_words(s: int, b: int) -> int:
+    """Return the numbers one CA-SGD exchange of s steps of b rows sends: s*b margins + s(s-1)/2 b^2 Gram."""
+    return s * b + (s * (s - 1) // 2) * b * b
+
+
+def casgd_step_seconds(m: LinkModel, p: int, b: int, s: int, compute_s: float, itemsize: int = 4) -> float:
+    """Return the modelled time per inner step of CA-SGD at ``s`` in a long loop on ``p`` nodes.
+
+    One exchange per s steps: ``compute_s`` of local work (gather, Gram, recurrence,
+    update, as measured for this s), then the all-reduce of ``sstep_words(s, b)``
+    numbers of ``itemsize`` bytes (``step_seconds``). The loop is long, so a token
+    bucket's initial credit (``burst_bytes``) is left out.
+    """
+    return step_seconds(m, sstep_words(s, b) * itemsize, p, compute_s) / s
+
+
+def choose_s(m: LinkModel, p: int, b: int, compute_s: dict[int, float],
+             itemsize: int = 4) -> tuple[int, dict[int, float]]:
+    """Return the s of least modelled time per inner step, and each candidate's time (ties: the smaller s).
+
+    ``compute_s`` maps each candidate s to its measured local work per exchange.
+    """
+    if not compute_s:
+        raise ValueError("no candidate s to choose from; give compute_s as {s: seconds per exchange}")
+    per_step = {s: casgd_step_seconds(m, p, b, s, c, itemsize) for s, c in sorted(compute_s.items())}
+    best = min(per_step, key=lambda s: (per_step[s], s))
+    return best, per_step
+
+
+def fit_link(samples: list[tuple[int, float, float]]) -> LinkModel:
+    """Fit both link shapes to all-reduce samples on one machine set and return the one that fits better.
+
+    A tbf-shaped link (the lab: T = max(L, V·β)) and a plain one (T = L + V·β) are
+    both fitted (no core-sharing terms: the samples are taken on the ranks that will
+    run, so sharing is already in them); the smaller relative RMS error wins, the
+    plain link on a tie. Raises ValueError when neither shape determines a bandwidth.
+    """
+    fitted = []
+    for bucket in (False, True):
+        try:
+            model = fit(samples, token_bucket=bucket)
+        except ValueError:
+            continue
+        fitted.append((_rms_error(model, samples), bucket, model))
+    if not fitted:
+        raise ValueError("the samples do not determine a bandwidth; include messages of a few hundred KB")
+    return min(fitted, key=lambda item: item[:2])[2]
 
 
 def _load_glm(paths: list[str]) -> list[dict[str, Any]]:

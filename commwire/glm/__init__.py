@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._auto import AutoS
 from .data import ColumnBlocks, column_ranges, from_array, load_npy, load_svmlight
 from .precision import PRESETS, Precision, get_precision
 from .solver import FitResult, SolverConfig, batch_indices, margins, objective, solve
 
 __all__ = [
     "GLM",
+    "AutoS",
     "PRESETS",
     "ColumnBlocks",
     "FitResult",

@@ -92,7 +92,9 @@ class GLM(BaseEstimator):
     Args:
         loss: "logistic" (labels {-1,+1} or {0,1}), "least_squares" or "poisson".
         solver: "sgd" (one allreduce of b margins per step) or "casgd" (one per s steps).
-        s: inner steps per Gram exchange (casgd).
+        s: inner steps per Gram exchange (casgd), or "auto": chosen at fit time from all-reduces and
+            Gram products timed on the communicator, with the cost model of ``commwire bench project``
+            (every rank uses the same s; the fitted ``s_`` says which, ``result_.auto`` how).
         batch_size: rows per step.
         lr: constant step size.
         l2: L2 coefficient; the objective is mean loss + l2/2 ||coef||^2.
@@ -110,7 +112,7 @@ class GLM(BaseEstimator):
         >>> model.fit(X, y).score(X, y)
     """
 
-    def __init__(self, loss: str = "logistic", *, solver: str = "casgd", s: int = 8, batch_size: int = 64,
+    def __init__(self, loss: str = "logistic", *, solver: str = "casgd", s: int | str = 8, batch_size: int = 64,
                  lr: float = 0.1, l2: float = 0.0, precision: Any = "fp64", max_iter: int = 100,
                  tol: float | None = 1e-4, n_iter_no_change: int = 5, fit_intercept: bool = True,
                  random_state: Any = None) -> None:
@@ -196,6 +198,7 @@ class GLM(BaseEstimator):
         self.loss_curve_ = list(result.loss_curve)
         self.n_iter_ = result.n_iter
         self.t_ = result.n_steps
+        self.s_ = result.s
         self.n_features_in_ = blocks.n_features
         if code == _losses.LOGISTIC:
             self.coef_, self.intercept_ = coef[None, :], np.array([result.intercept])

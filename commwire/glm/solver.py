@@ -3,7 +3,8 @@
 Both solvers run the same engine: `sgd` is one SStepGram exchange of b margins
 per step (s = 1), `casgd` one exchange of s*b margins and the block-lower Gram
 per s steps followed by the inner recurrence. Communication happens only inside
-SStepGram.exchange (training) and in objective/margins (evaluation).
+SStepGram.exchange (training), in objective/margins (evaluation) and, for
+s="auto", in the few timed all-reduces that choose s (commwire.glm._auto).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 
 from ..codecs._threads import blas_threads
 from ..schedules import SStepGram
-from . import _losses
+from . import _auto, _losses
+from ._auto import AutoS
 from .data import ColumnBlocks
 from .precision import Precision, bf16_bits_to_float32, get_precision, round_bf16_bits
 
@@ -40,8 +42,8 @@ class SolverConfig:
     """"logistic" (labels {-1,+1} or {0,1}), "least_squares" or "poisson" (log link)."""
     solver: str = "casgd"
     """"sgd": one allreduce of b margins per step; "casgd": one Gram exchange per s steps."""
-    s: int = 8
-    """Inner steps per Gram exchange (casgd only)."""
+    s: int | str = 8
+    """Inner steps per Gram exchange (casgd only); "auto": chosen by solve from the measured link and Gram cost."""
     batch_size: int = 64
     """Rows per inner step (b)."""
     lr: float = 0.1
@@ -69,7 +71,13 @@ class SolverConfig:
         _losses.loss_code(self.loss)
         if self.solver not in SOLVERS:
             raise ValueError(f"solver={self.solver!r} is not supported; choose one of {list(SOLVERS)}")
-        for name in ("s", "batch_size", "max_iter", "n_iter_no_change"):
+        if isinstance(self.s, str):
+            if self.s != "auto":
+                raise ValueError(f"s={self.s!r} is not supported; give a positive integer (inner steps per Gram "
+                                 f"exchange) or 'auto' (chosen from the measured link and Gram cost)")
+        elif isinstance(self.s, bool) or not isinstance(self.s, (int, np.integer)) or self.s < 1:
+            raise ValueError(f"s={self.s!r} must be a positive integer or 'auto'")
+        for name in ("batch_size", "max_iter", "n_iter_no_change"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -93,9 +101,18 @@ class SolverConfig:
         object.__setattr__(self, "precision", get_precision(self.precision))
 
     @property
+    def auto_s(self) -> bool:
+        """Return whether solve chooses s (casgd with s="auto")."""
+        return self.solver == "casgd" and self.s == "auto"
+
+    @property
     def steps_per_exchange(self) -> int:
-        """Return the inner steps folded into one allreduce (1 for sgd)."""
-        return 1 if self.solver == "sgd" else int(self.s)
+        """Return the inner steps folded into one allreduce (1 for sgd); s="auto" must be resolved first."""
+        if self.solver == "sgd":
+            return 1
+        if self.s == "auto":
+            raise ValueError("s='auto' is chosen when solve runs; read FitResult.s (GLM.s_) for the s used")
+        return int(self.s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,7 +135,11 @@ class FitResult:
     converged: bool
     """Whether the tol criterion stopped the run."""
     time_s: float
-    """Wall time of the training loop on this rank (setup and evaluation excluded)."""
+    """Wall time of the training loop on this rank (setup, choosing s and evaluation excluded)."""
+    s: int = 1
+    """Inner steps per exchange the run used (1 for sgd; the chosen one for s="auto")."""
+    auto: AutoS | None = None
+    """How s was chosen (s="auto" only): candidates, measurements, modelled times, tuning time."""
 
 
 def _is_real(value: Any) -> bool:
@@ -228,7 +249,15 @@ def _check_blocks(blocks: ColumnBlocks, cfg: SolverConfig, comm: Any) -> np.ndar
             row, col, value = found
             raise ValueError(f"X holds NaN/Inf: rank {rank}'s block, row {row}, column {start + col} (value "
                              f"{value!r}); remove or impute non-finite values first (sklearn.impute.SimpleImputer)")
-    m, b, s = rows[0], cfg.batch_size, cfg.steps_per_exchange
+    m, b = rows[0], cfg.batch_size
+    if cfg.auto_s:  # s >= 1 is chosen to fit the rows; only the batch itself must
+        if m == 0:
+            raise ValueError(f"X has 0 rows; fitting needs at least batch_size={b} samples")
+        y = check_targets(_losses.loss_code(cfg.loss), blocks.y)
+        if b > m:
+            raise ValueError(f"batch_size={b} exceeds the {m} rows; lower batch_size")
+        return y
+    s = cfg.steps_per_exchange
     if m == 0:
         raise ValueError(f"X has 0 rows; fitting needs at least s*batch_size={s}*{b}={s * b} samples")
     y = check_targets(_losses.loss_code(cfg.loss), blocks.y)
@@ -253,8 +282,11 @@ def _store(X: Any, prec: Precision, xp: Any) -> Any:
 class _Engine:
     """Hold every buffer of one run (allocated once) and run outer iterations."""
 
-    def __init__(self, blocks: ColumnBlocks, y: np.ndarray, cfg: SolverConfig, comm: Any) -> None:
+    def __init__(self, blocks: ColumnBlocks, y: np.ndarray, cfg: SolverConfig, comm: Any,
+                 store: Any = None, check: bool = True) -> None:
+        """Allocate a run's buffers; ``store``: X as _store keeps it (shared), ``check``: stop on divergence."""
         xp, xp_name = _array_module(blocks.X)
+        self.check = check
         prec = cfg.precision
         self.xp, self.cfg = xp, cfg
         self.code = _losses.loss_code(cfg.loss)
@@ -262,7 +294,7 @@ class _Engine:
         self.s, self.b = s, b
         acc, rec, upd = prec.dtype("accumulation"), prec.dtype("recurrence"), prec.dtype("update")
         self.rec, self.T_upd = rec, upd.type
-        self.store = _store(blocks.X, prec, xp)
+        self.store = _store(blocks.X, prec, xp) if store is None else store
         self.y = xp.asarray(y, dtype=rec)
         const = _losses.label_constant(self.code, y)
         self.const = xp.asarray(const, dtype=rec)
@@ -371,12 +403,12 @@ class _Engine:
         self.rs[:used * b] = scale * self.r[:used * b]
 
     # --------------------------------------------------------------- the loop
-    def run(self, m: int) -> FitResult:
-        """Run the configured steps; return this rank's result."""
+    def run(self, m: int, stream: _BatchStream | None = None) -> FitResult:
+        """Run the configured steps (batches from ``stream``, default a new one); return this rank's result."""
         cfg, s, b = self.cfg, self.s, self.b
         spe = m // b
         total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.max_iter * spe
-        stream = _BatchStream(m, b, cfg.seed, self.xp)
+        stream = _BatchStream(m, b, cfg.seed, self.xp) if stream is None else stream
         rows = self.gram.rows
         done, in_epoch, epoch_sum = 0, 0, 0.0
         curve: list[float] = []
@@ -394,7 +426,7 @@ class _Engine:
             total = self.recur(payload, idx, k)
             if limit is None:
                 limit = DIVERGENCE_FACTOR * max(float(self.losses[0]), float(np.finfo(self.rec).tiny))
-            if not total <= limit * k:  # also catches NaN
+            if not total <= limit * k and self.check:  # also catches NaN
                 self._diverged(done, k, limit)
             used, stop = k, False
             if in_epoch + k < spe:
@@ -426,7 +458,7 @@ class _Engine:
         coef = self.w.get() if hasattr(self.w, "get") else np.array(self.w, dtype=np.float64)
         return FitResult(coef=np.asarray(coef, dtype=np.float64), intercept=float(self.intercept),
                          loss_curve=curve, n_iter=len(curve), n_steps=done, n_exchanges=exchanges,
-                         exchange_bytes=nbytes, converged=converged, time_s=elapsed)
+                         exchange_bytes=nbytes, converged=converged, time_s=elapsed, s=s)
 
     def _diverged(self, done: int, k: int, limit: float) -> None:
         losses = self.losses[:k]
@@ -435,6 +467,31 @@ class _Engine:
             f"lr={self.cfg.lr:g} diverged: mean batch loss {float(losses[bad]):.3g} at step {done + bad} "
             f"(limit {limit:.3g}: {DIVERGENCE_FACTOR:g}x the first batch's); lower lr, e.g. lr={self.cfg.lr / 10:g}"
         )
+
+
+def _local_work(blocks: ColumnBlocks, y: np.ndarray, cfg: SolverConfig, store: Any) -> Any:
+    """Return work(s, k): seconds per exchange of k exchanges of the training loop at s, with no allreduce.
+
+    It runs the same engine and loop as training, over a communicator that sends
+    nothing (so the Gram, recurrence, update and the loop's own overhead are all in
+    it); engines are kept per s and their weights zeroed before each timing.
+    """
+    m = int(blocks.X.shape[0])
+    stream = _BatchStream(m, cfg.batch_size, cfg.seed, _array_module(blocks.X)[0])
+    engines: dict[int, tuple[_Engine, float]] = {}
+
+    def work(s: int, exchanges: int) -> float:
+        trial = dataclasses.replace(cfg, s=s, max_steps=exchanges * s, tol=None)
+        if s not in engines:
+            engine = _Engine(blocks, y, trial, _auto.NO_COMM, store=store, check=False)
+            engines[s] = (engine, engine.intercept)
+        engine, intercept = engines[s]
+        engine.cfg, engine.intercept = trial, intercept
+        engine.w[...] = 0
+        engine.gram.weights[...] = 0
+        return engine.run(m, stream).time_s / exchanges
+
+    return work
 
 
 def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any = None,
@@ -451,13 +508,21 @@ def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any
         cfg = dataclasses.replace(config, **params)
     comm = _resolve(comm)
     y = _check_blocks(blocks, cfg, comm)
+    m = int(blocks.X.shape[0])
     with blas_threads():  # this rank's share of the cores, not one BLAS thread per core per rank
-        engine = _Engine(blocks, y, cfg, comm)
+        store = _store(blocks.X, cfg.precision, _array_module(blocks.X)[0])
+        auto = None
+        if cfg.auto_s:
+            auto = _auto.choose(comm, cfg.batch_size, m, cfg.precision.dtype("communication"),
+                                _local_work(blocks, y, cfg, store), xp=_array_module(blocks.X)[0])
+            cfg = dataclasses.replace(cfg, s=auto.s)
+        engine = _Engine(blocks, y, cfg, comm, store=store)
         if comm.size > 1:
             # Ranks finish the setup (a BF16 copy of X takes a few hundred ms) at different
             # times; start the clocks together so time_s is the training loop, not that skew.
             comm.barrier()
-        return engine.run(int(blocks.X.shape[0]))
+        result = engine.run(m)
+    return result if auto is None else dataclasses.replace(result, auto=auto)
 
 
 def margins(blocks: ColumnBlocks, coef: Any, intercept: float = 0.0, *, comm: Any = None,

@@ -230,3 +230,58 @@ def test_a_loop_on_the_lab_starts_with_a_full_bucket():
     with pytest.raises(ValueError, match="burst_bytes"):
         project.LinkModel(alpha=1e-6, beta=1e-9, burst_bytes=-1.0)
     assert project.LinkModel(alpha=1e-6, beta=1e-9, burst_bytes=5.0).alone().burst_bytes == 0.0
+
+
+def _casgd_step_by_hand(alpha, alpha_large, beta, bucket, p, b, s, compute):
+    """Per-step CA-SGD time written out for p = 2 or 4 (MPICH's rounds), independent of project's helpers."""
+    words = s * b + s * (s - 1) // 2 * b * b
+    n = words * 4
+    if p == 2:
+        msgs = [n] if n <= 8 or words < 2 else [n / 2, n / 2]
+    else:
+        assert p == 4
+        msgs = [n, n] if n <= 8 or words < 4 else [n / 2, n / 4, n / 4, n / 2]
+    latency = sum(alpha if msg <= 128 else alpha_large for msg in msgs)
+    transfer = beta * sum(msgs)
+    exchange = max(compute + latency, transfer) if bucket else compute + latency + transfer
+    return exchange / s
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+@pytest.mark.parametrize("p, b, alpha, alpha_large, beta, gram_ns, expected", [
+    (4, 4, 80e-6, 100e-6, 8e-9, 2.0, (32, 32)),  # lab-like 1 Gbit/s, small batch: latency amortised up to s=32
+    (4, 16, 80e-6, 100e-6, 8e-9, 2.0, (8, 8)),   # the (s b)^2 Gram payload takes over sooner at b=16
+    (2, 4, 1e-6, 1e-6, 1e-11, 200.0, (1, 1)),    # free messages, costly Gram: plain SGD
+    (4, 64, 30e-6, 30e-6, 1e-9, 1.0, (2, 4)),    # big batches; a token bucket hides the transfer behind the Gram
+])
+def test_choose_s_is_the_argmin_of_an_independent_cost(bucket, p, b, alpha, alpha_large, beta, gram_ns, expected):
+    link = project.LinkModel(alpha=alpha, alpha_large=alpha_large, beta=beta, token_bucket=bucket)
+    cands = (1, 2, 4, 8, 16, 32, 64)
+    # local work per exchange: a fixed loop cost plus a Gram of (1 + s b)^2 entries over 128 columns
+    compute = {s: 10e-6 + gram_ns * 1e-9 * (1 + s * b) ** 2 * 128 / 64 for s in cands}
+    best, per_step = project.choose_s(link, p, b, compute)
+    by_hand = {s: _casgd_step_by_hand(alpha, alpha_large, beta, bucket, p, b, s, c) for s, c in compute.items()}
+    assert per_step == pytest.approx(by_hand, rel=1e-12)
+    assert best == min(by_hand, key=by_hand.get) == expected[bucket]
+    assert project.casgd_step_seconds(link, p, b, best, compute[best]) == pytest.approx(by_hand[best])
+
+
+def test_choose_s_breaks_ties_towards_the_smaller_s_and_skips_unmeasured():
+    link = project.LinkModel(alpha=0.0, beta=1.0)  # one rank: no messages
+    best, per_step = project.choose_s(link, 1, 8, {1: 2e-6, 2: 4e-6, 4: math.inf})
+    assert best == 1 and per_step[4] == math.inf
+    with pytest.raises(ValueError, match="no candidate s"):
+        project.choose_s(link, 1, 8, {})
+    assert project.sstep_words(32, 4) == 32 * 4 + 496 * 16
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+def test_fit_link_recovers_the_shape_of_the_link(bucket):
+    truth = project.LinkModel(alpha=60e-6, alpha_large=90e-6, beta=8e-9, token_bucket=bucket)
+    sizes = [16, 96, 448, 1920, 7936, 32256, 130048]
+    samples = [(4, float(n), project.allreduce_seconds(truth, n, 4)) for n in sizes]
+    fitted = project.fit_link(samples)
+    assert fitted.token_bucket == bucket
+    assert (fitted.alpha, fitted.alpha_large, fitted.beta) == pytest.approx((60e-6, 90e-6, 8e-9), rel=1e-6)
+    with pytest.raises(ValueError, match="determine a bandwidth"):
+        project.fit_link([(4, 16.0, 1e-4)])

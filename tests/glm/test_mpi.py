@@ -1,4 +1,4 @@
-"""Run tests/glm/mpi_glm.py on 1, 2 and 4 ranks — tier 2 (mpiexec, CPU).
+"""Run tests/glm/mpi_glm.py on 1, 2 and 4 ranks and mpi_auto.py on 2 and 4 — tier 2 (mpiexec, CPU).
 
 Tiers of the GLM suite: test_precision/test_sstep/test_solver/test_estimator run
 in one process; this module launches mpi_glm.py under mpiexec; test_gpu.py needs
@@ -17,3 +17,8 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_glm_on_ranks(ranks: int) -> None:
     run_mpi_pytest(ranks, "tests/glm/mpi_glm.py", timeout=240)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_auto_s_on_ranks(ranks: int) -> None:
+    run_mpi_pytest(ranks, "tests/glm/mpi_auto.py", timeout=240)
