@@ -121,7 +121,8 @@ def _verdict(details: list[tuple[Any, Any]], rank: int) -> BaseException | None:
     failed = [(r, details[r][1]) for r in active if details[r][1] is not None]
     label = _label(sigs[active[0]])
     where = f"(this is rank {rank} of {size})"
-    if failed:
+    differing = _differences([sigs[r] for r in active], active)
+    if failed and not any(line.startswith(("  operation ", "  name ")) for line in differing):
         kinds = {cls for _, (cls, _) in failed}
         cls = kinds.pop() if len(kinds) == 1 else CollectiveError
         lines = [f"{label} failed {where}:"]
@@ -130,10 +131,12 @@ def _verdict(details: list[tuple[Any, Any]], rank: int) -> BaseException | None:
         if fine:
             lines.append(f"  ranks {fine} passed valid arguments; every rank raises this error")
         return _make(cls, "\n".join(lines))
-    differing = _differences([sigs[r] for r in active], active)
     if differing:
+        # Ranks at different collectives (operation or name differ) are out of step: that is the
+        # error to report, with any rank's own complaint about its arguments after it.
         return CollectiveMismatchError(
             f"ranks disagree on {label} {where}:\n" + "\n".join(differing)
+            + "".join(f"\n  rank {r} also failed: {message}" for r, (_, message) in failed)
             + "\nmake every rank pass the same arguments (and call the same collectives in the same order)")
     return None
 

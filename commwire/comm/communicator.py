@@ -242,7 +242,10 @@ class Communicator:
             self._seq += 1
             token = watchdog.enter(self.uid, self._seq, opname, name)
         try:
-            if self._lane_comm and in_lane():
+            # A lane's communicator runs collectives on its worker thread and, when the lane is idle,
+            # on the caller's: always the non-blocking variant there, since MPI never matches a
+            # blocking collective on one rank with a non-blocking one on another (that hangs).
+            if self._lane_comm:
                 wait_requests([nonblocking(*args)])
             else:
                 blocking(*args)

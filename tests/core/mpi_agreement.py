@@ -125,6 +125,20 @@ def test_errors_name_each_ranks_value():
     assert f"rank {BAD}: op='avg' on int32 would truncate" in text and "passed valid arguments" in text
 
 
+
+def test_ranks_at_different_collectives_report_the_mismatch_over_a_local_error():
+    # The last rank is one collective ahead (a loop that ended early elsewhere) and its own call is
+    # also invalid: being out of step is the error every rank reports, its complaint listed after.
+    with pytest.raises(cw.CollectiveMismatchError) as info:
+        if R == BAD:
+            WORLD.allreduce(np.ones(3, np.int32), "avg", name=fresh("ahead"))
+        else:
+            WORLD.broadcast(np.ones(3, np.float32), root=0, name=fresh("behind"))
+    text = str(info.value)
+    assert "operation differs" in text and f"rank {BAD} also failed: op='avg' on int32" in text
+    assert isinstance(info.value, RuntimeError)  # what Horovod raises for ranks out of step
+    _next_collective_works(WORLD)
+
 @pytest.mark.parametrize("n", [5, 50_000])
 def test_same_name_new_shape_on_every_rank_is_redone_not_raised(n):
     name = fresh("reshape")

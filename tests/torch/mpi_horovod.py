@@ -432,6 +432,27 @@ def test_join_counts_joined_ranks_as_zeros():
         assert last != first or P == 1
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_join_while_other_ranks_reduce_asynchronously(dtype):
+    # The joined rank moves zeros from its own thread while the others' all-reduces run on
+    # their lanes' threads: both sides must use the same (non-blocking) MPI collective.
+    for first in range(P):
+        a, b = value(R, (5,), dtype, case=first), value(R, (17, 3), dtype, case=first + 10)
+        if R == first:
+            last = hvd.join()
+        else:
+            ha = hvd.allreduce_async(a, op=hvd.Average, name="join.a")
+            hb = hvd.allreduce_async(b, op=hvd.Average, name="join.b")
+            got_a, got_b = hvd.synchronize(ha), hvd.synchronize(hb)
+            for got, shape, case in ((got_a, (5,), first), (got_b, (17, 3), first + 10)):
+                total = sum(value(r, shape, dtype, case).double() for r in range(P) if r != first)
+                want = torch.div(total, P, rounding_mode="trunc") if not dtype.is_floating_point else total / P
+                close(got, want.to(dtype))
+            last = hvd.join()
+        assert hvd.allgather_object(last) == [last] * P
+        assert last != first or P == 1
+
 # ------------------------------------------------------------------ DistributedOptimizer
 def _fit(opt_factory, steps=3, **kwargs):
     torch.manual_seed(0)
