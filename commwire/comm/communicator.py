@@ -128,6 +128,8 @@ class Communicator:
         self._node: Communicator | None = None
         self.watchdog = watchdog
         self.uid = uid  # the same on every member: names this communicator in stall reports
+        if watchdog is not None:
+            watchdog.register(uid, mpi_comm)
         self._seq = 0
         self._derived = 0
         self._lane_comm = False  # set on a lane's own communicator: waits there yield the CPU

@@ -195,6 +195,7 @@ def finalize() -> None:
         if world_comm.rank == 0:
             world_comm.timeline.write(per_rank)
     if world_comm.watchdog is not None:
+        world_comm.watchdog.announce_exit()
         world_comm.watchdog.close()
     _settings.clear()
 

@@ -145,6 +145,40 @@ def test_watchdog_names_the_missing_rank_and_aborts(tmp_path):
     assert "rank 1: not in any collective; last completed allreduce 'warmup'" in proc.stderr
 
 
+def test_rank_left_in_a_collective_after_its_peers_ended_aborts_at_once(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(
+        "import commwire as cw, numpy as np\n"
+        "cw.init(timeout=120)\n"
+        "cw.allreduce(np.ones(2), name='warmup')\n"
+        "for i in range(3 if cw.rank() == 1 else 2):  # a loop that ends early on some ranks\n"
+        "    cw.allreduce(np.ones(4), name='step')\n"
+    )
+    start = time.monotonic()
+    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=100)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60  # far below the 120 s stall timeout
+    assert "ranks [0, 2] of this collective have ended their program" in proc.stderr, proc.stderr
+    assert "rank 0: program ended (finalize or exit) without joining this collective" in proc.stderr
+
+
+def test_ranks_outside_a_sub_communicator_may_end_first(tmp_path):
+    script = tmp_path / "subset.py"
+    script.write_text(
+        "import commwire as cw, numpy as np, time\n"
+        "world = cw.init(timeout=120)\n"
+        "pair = world.split(color=int(cw.rank() < 2))\n"
+        "if cw.rank() < 2:\n"
+        "    for i in range(2):\n"
+        "        if cw.rank() == 0:\n"
+        "            time.sleep(3)  # rank 1 waits longer than the grace while rank 2 has ended\n"
+        "        print('sum', pair.allreduce(np.ones(1), name='pair')[0], flush=True)\n"
+    )
+    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("sum 2.0") == 4, proc.stdout
+
+
 def test_watchdog_warn_mode_lets_a_slow_rank_finish(tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(
