@@ -32,7 +32,7 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["run_ddp_bench", "format_table", "main", "CONFIGS"]
+__all__ = ["run_ddp_bench", "over_seeds", "format_table", "main", "CONFIGS"]
 
 CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
            "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4")
@@ -102,8 +102,8 @@ def _register(label: str, ddp: Any, model: Any) -> Any:
 
 
 def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, layers: int = 3, batch: int = 8,
-                  context: int = 64, steps: int = 10, rounds: int = 3, lr: float = 3e-3, threads: int = 1
-                  ) -> list[dict[str, Any]]:
+                  context: int = 64, steps: int = 10, rounds: int = 3, lr: float = 3e-3, threads: int = 1,
+                  seed: int = 0) -> list[dict[str, Any]]:
     """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -115,17 +115,18 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
 
     torch.set_num_threads(threads)
     hvd.init()
-    hvd.init_process_group("gloo")
+    if not torch.distributed.is_initialized():  # a second run (another seed) reuses the group
+        hvd.init_process_group("gloo")
     from ..comm.runtime import world
 
     comm = world()
     corpus = Corpus.load()
     cfg = LMConfig(d_model=d_model, layers=layers, context=context, heads=4)
-    gen = torch.Generator().manual_seed(comm.rank)
+    gen = torch.Generator().manual_seed(1000 * seed + comm.rank)
     data = [corpus.batch("train", batch=batch, context=context, generator=gen) for _ in range(8)]
     runners: list[tuple[str, Callable[[int], None], Any, Any, dict[str, int]]] = []
     for label in configs:
-        model = make_lm(cfg, seed=0)
+        model = make_lm(cfg, seed=seed)
         ddp = DistributedDataParallel(model, bucket_cap_mb=25)
         state = _register(label, ddp, model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
@@ -176,13 +177,42 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Render the rows as a Markdown table."""
-    lines = [f"{rows[0]['ranks']} ranks, {rows[0]['params'] / 1e6:.2f} M parameters; bytes measured per rank and step",
-             "", "| hook | step ms | vs DDP | MB/step | bytes vs FP32 | validation loss |", "|---|---|---|---|---|---|"]
+def over_seeds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Combine one row list per seed: median step time, loss mean / sd / range, within plain DDP's range."""
+    rows = []
+    for per_seed in zip(*runs):
+        losses = np.array([r["val_loss"] for r in per_seed])
+        row = {**per_seed[0], "step_ms": float(np.median([r["step_ms"] for r in per_seed])),
+               "ratio_vs_ddp": float(np.median([r["ratio_vs_ddp"] for r in per_seed])),
+               "MB_per_step": float(np.mean([r["MB_per_step"] for r in per_seed])),
+               "bytes_vs_fp32": float(np.mean([r["bytes_vs_fp32"] for r in per_seed])),
+               "val_loss": float(losses.mean()), "val_loss_sd": float(losses.std(ddof=1)) if len(losses) > 1 else 0.0,
+               "val_loss_range": (float(losses.min()), float(losses.max())), "seeds": len(losses)}
+        rows.append(row)
+    ref = next((r for r in rows if r["config"] == "ddp"), None)
     for r in rows:
-        lines.append(f"| {r['config']} | {r['step_ms']:.1f} | {r['ratio_vs_ddp']:.2f}× | {r['MB_per_step']:.2f} | "
-                     f"{r['bytes_vs_fp32']:.3f} | {r['val_loss']:.4f} |")
+        if ref is not None and r["seeds"] > 1:
+            lo, hi = ref["val_loss_range"]
+            r["within_ddp_range"] = bool(lo <= r["val_loss"] <= hi)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Render the rows as a Markdown table (loss as mean ± sd over seeds, when there are several)."""
+    seeds = rows[0].get("seeds", 1)
+    lines = [f"{rows[0]['ranks']} ranks, {rows[0]['params'] / 1e6:.2f} M parameters; bytes measured per rank and step"
+             + (f"; {seeds} seeds (step times: median over seeds)" if seeds > 1 else ""), "",
+             "| hook | step ms | vs DDP | MB/step | bytes vs FP32 | validation loss |"
+             + (" seeds' range | mean within DDP's range |" if seeds > 1 else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if seeds > 1 else "")]
+    for r in rows:
+        line = (f"| {r['config']} | {r['step_ms']:.1f} | {r['ratio_vs_ddp']:.2f}× | {r['MB_per_step']:.2f} | "
+                f"{r['bytes_vs_fp32']:.3f} | {r['val_loss']:.4f}")
+        if seeds > 1:
+            lo, hi = r["val_loss_range"]
+            within = {True: "yes", False: "no"}.get(r.get("within_ddp_range"), "-")
+            line += f" ± {r['val_loss_sd']:.4f} | {lo:.4f}–{hi:.4f} | {within}"
+        lines.append(line + " |")
     return "\n".join(lines)
 
 
@@ -196,16 +226,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--seeds", type=int, default=1, help="run everything with seeds 0..N-1 (default 1)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         parser.error(f"--configs {bad or args.configs!r}: choose from {', '.join(CONFIGS)}")
-    if min(args.d_model, args.layers, args.batch, args.context, args.steps, args.rounds) < 1 or args.d_model % 4:
-        parser.error("--d-model (a multiple of 4), --layers, --batch, --context, --steps and --rounds must be >= 1")
-    rows = run_ddp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
-                         context=args.context, steps=args.steps, rounds=args.rounds)
+    if min(args.d_model, args.layers, args.batch, args.context, args.steps, args.rounds, args.seeds) < 1 \
+            or args.d_model % 4:
+        parser.error("--d-model (a multiple of 4), --layers, --batch, --context, --steps, --rounds and --seeds "
+                     "must be >= 1")
+    rows = over_seeds([run_ddp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
+                                     context=args.context, steps=args.steps, rounds=args.rounds, seed=seed)
+                       for seed in range(args.seeds)])
     from ..comm.runtime import world
 
     emit(format_table(rows), rows, args.json, rank=world().rank)

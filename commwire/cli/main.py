@@ -312,10 +312,14 @@ def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
     \b
     allreduce  plain and compressed all-reduce vs raw mpi4py Allreduce
     codecs     codec encode/decode throughput vs memcpy, round-trip error
-    glm        GLM SGD vs CA-SGD (s-step Gram exchange)
+    glm        GLM SGD vs CA-SGD (s-step Gram exchange), fixed s and s="auto"
     torch      DistributedOptimizer vs torch DDP over gloo, codecs, fusion, overlap
-    faults     kill -9 / raise / stall / link-cut jobs: each ends in time, failing rank named
-    gift       GIFT vs direct/block FP8, error feedback, Hadamard on real LM gradients; training runs
+    grouped    grouped_allreduce of many small tensors vs one fused allreduce of the same bytes
+    ddp        DDP communication hooks: DDP's own (bf16, PowerSGD) vs commwire's codecs; --seeds
+    lordo      LoRDO vs DDP-Adam, low-rank DDP, DiLoCo: one LR grid, several seeds
+    gift       GIFT vs direct, EF, block-scaled and Hadamard FP8/NVFP4 on an outlier-feature LM
+    agreement  bad arguments and uncaught exceptions under plain mpiexec: every rank raises in time
+    faults     kill -9 / raise / stall / link-cut / crash-and-resume jobs: each ends in time, rank named
     project    alpha-beta cost model: fit on measurements, validate, project to 1024 nodes
     suite      all of allreduce, glm, torch (loopback and --lab bandwidths): JSON + Markdown + PNG report
     """

@@ -11,3 +11,22 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 4])
 def test_ddp_hook_suite(n):
     run_mpi_pytest(n, "tests/torch/mpi_ddp.py", timeout=600)
+
+
+def test_bench_combines_seeds_and_checks_each_hook_against_ddps_range():
+    from commwire.bench.ddp import format_table, over_seeds
+
+    def row(config, step_ms, loss):
+        return {"config": config, "ranks": 4, "params": 1e6, "step_ms": step_ms, "ratio_vs_ddp": step_ms / 100.0,
+                "MB_per_step": 4.0, "bytes_vs_fp32": 1.0, "val_loss": loss}
+
+    runs = [[row("ddp", 100.0, 3.0), row("commwire ef+fp8-e4m3", 40.0, 3.05)],
+            [row("ddp", 110.0, 3.2), row("commwire ef+fp8-e4m3", 50.0, 3.25)],
+            [row("ddp", 120.0, 3.1), row("commwire ef+fp8-e4m3", 60.0, 3.5)]]
+    ddp, fp8 = over_seeds(runs)
+    assert ddp["step_ms"] == 110.0 and ddp["val_loss_range"] == (3.0, 3.2) and ddp["seeds"] == 3
+    assert abs(ddp["val_loss"] - 3.1) < 1e-12 and abs(ddp["val_loss_sd"] - 0.1) < 1e-12
+    assert abs(fp8["val_loss"] - 3.2666666666666666) < 1e-12 and fp8["within_ddp_range"] is False
+    assert ddp["within_ddp_range"] is True
+    table = format_table([ddp, fp8])
+    assert "3 seeds" in table and "| no |" in table and "3.0000–3.2000" in table
