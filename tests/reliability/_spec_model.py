@@ -130,6 +130,8 @@ def predict(spec: str) -> Prediction:
     texts, stages = [], []
     for i, (name, options, _) in enumerate(parts):
         last = i == len(parts) - 1
+        if "config" in options:  # registry.py refuses config= while parsing, before it looks up the name
+            errors.append({"config"})
         if name not in (CODECS if last else WRAPPERS):
             errors.append({name})
             continue
