@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,3 +36,16 @@ def run_mpi_pytest(n: int, path: str, *extra: str, timeout: float = 300) -> None
                        "-o", "addopts=", path, *extra], timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{path} failed on {n} ranks (exit {proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
+
+
+TOL = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+"""Tolerance of each float dtype against a float64 reference (one rounding of the sum; 0 = exact)."""
+
+
+def check_close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    """Compare a result with its float64 (or exact) reference at the dtype's tolerance."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if dtype in TOL:
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype])
+    else:
+        np.testing.assert_array_equal(got, want.astype(got.dtype))

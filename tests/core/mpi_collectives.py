@@ -24,7 +24,7 @@ import commwire as cw
 torch = pytest.importorskip("torch")
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"]
-TOL = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+from mpi_helpers import check_close  # noqa: E402
 WORLD = cw.init()
 
 
@@ -62,14 +62,6 @@ def to_numpy(x, dtype: str) -> np.ndarray:
     if x.dtype == torch.bfloat16:
         return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return x.numpy()
-
-
-def check_close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if dtype in TOL:
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype])
-    else:
-        np.testing.assert_array_equal(got, want.astype(got.dtype))
 
 
 def group_ranks(comm: cw.Communicator) -> list[int]:

@@ -41,7 +41,7 @@ COMMS = {
 }
 CHECKED = cw.Communicator(MPI.COMM_WORLD.Dup(), cuda_aware=True, check=True, uid="checked")
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"]
-TOL = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+from mpi_helpers import check_close  # noqa: E402
 _names = itertools.count()
 
 
@@ -75,14 +75,6 @@ def tensor(a: np.ndarray):
 def numpy_of(t) -> np.ndarray:
     assert isinstance(t, torch.Tensor), type(t)
     return t.view(torch.int16).numpy().view(arrays.BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def check_close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if dtype in TOL:
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype])
-    else:
-        np.testing.assert_array_equal(got, want.astype(got.dtype))
 
 
 REFERENCE = {"sum": np.sum, "avg": np.mean, "min": np.min, "max": np.max}

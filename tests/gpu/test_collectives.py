@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 WORLD = cw.init()
 P, R = WORLD.size, WORLD.rank
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"]
-TOL = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+from mpi_helpers import check_close  # noqa: E402
 REFERENCE = {"sum": np.sum, "avg": np.mean, "min": np.min, "max": np.max}
 _names = itertools.count()
 
@@ -81,14 +81,6 @@ def to_host(x, kind: str) -> np.ndarray:
 def skip_unsupported(kind: str, dtype: str) -> None:
     if kind == "cupy" and dtype == "bfloat16":
         pytest.skip("cupy has no bfloat16 arrays (torch's bfloat16 runs in the torch cases)")
-
-
-def check_close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if dtype in TOL:
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype])
-    else:
-        np.testing.assert_array_equal(got, want.astype(got.dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
