@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "LRS", "Setup", "build_optimizer", "format_report", "main", "optimizer_step",
-           "run_sweep", "summarize", "train_arm", "val_loss"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "LRS", "Setup", "build_optimizer", "format_report", "main", "merged_report",
+           "optimizer_step", "run_sweep", "summarize", "train_arm", "val_loss"]
 
 
 @dataclass(frozen=True)
@@ -374,6 +374,35 @@ def _lrs(text: str) -> tuple[float, ...]:
     return lrs
 
 
+def merged_report(paths: list[str]) -> str:
+    """Render the report of the rows in several ``--json`` files; refuse files whose setups differ.
+
+    Rows of the same (arm, lr, seed) in two files are refused too: a seed counted twice would
+    shrink the reported spread.
+    """
+    setups, rows, seen = [], [], {}
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        setups.append((path, data["setup"], data["ranks"]))
+        for row in data["rows"]:
+            key = (row["arm"], row["lr"], row["seed"])
+            if key in seen:
+                raise ValueError(f"{path}: arm {key[0]!r}, lr {key[1]:g}, seed {key[2]} is also in {seen[key]}; "
+                                 "merge files that ran different learning rates, arms or seeds")
+            seen[key] = path
+            rows.append(row)
+    first_path, first, ranks = setups[0]
+    for path, setup, n in setups[1:]:
+        if setup != first or n != ranks:
+            diff = sorted(k for k in set(setup) | set(first) if setup.get(k) != first.get(k))
+            raise ValueError(f"{path} ran a different setup than {first_path} (differs in "
+                             f"{diff or ['ranks']}); only sweeps of the same setup can be merged")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in first.items()}
+    seeds = tuple(sorted({r["seed"] for r in rows}))
+    return format_report(summarize(rows), Setup(**fields), ranks, seeds)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the sweep, print the report on rank 0."""
     p = argparse.ArgumentParser(prog="commwire bench lordo", description=__doc__.split("\n\n")[0])
@@ -393,7 +422,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sync-states", default="", help="LoRDO states averaged at a sync, e.g. moments")
     p.add_argument("--json", help="write every run's row (and the setup) to this JSON file as the sweep goes")
     p.add_argument("--out", help="also write the Markdown report to this file")
+    p.add_argument("--report", nargs="+", metavar="JSON",
+                   help="run nothing: render the report from these --json files of earlier sweeps with the "
+                        "same setup and ranks (e.g. a second run that extends the LR grid)")
     args = p.parse_args(argv)
+    if args.report:
+        try:
+            report = merged_report(args.report)
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(str(exc))
+        print(report, flush=True)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                fh.write(report + "\n")
+        return
     arms = args.arms
     lrs = args.lrs if args.lrs is not None else (2e-3, 4e-3) if args.quick else LRS
     seeds = args.seeds if args.seeds is not None else 2 if args.quick else 3

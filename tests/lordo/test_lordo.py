@@ -614,6 +614,27 @@ def test_summary_picks_the_best_mean_lr_and_reports_mean_and_std():
     assert "shown" in text and "| LoRDO ω=1 | 1.0000 | 1.0000 | 4–4 | 100% |" in text
 
 
+def test_report_merges_sweeps_that_extend_the_grid_and_refuses_mixed_setups(tmp_path):
+    import dataclasses
+    import json
+
+    from commwire.bench import lordo as bench
+
+    rows = _rows()
+    setup = dataclasses.asdict(bench.Setup(rank=4))
+    lrs = sorted({r["lr"] for r in rows})
+    first, second, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps({"setup": setup, "ranks": 4, "rows": [r for r in rows if r["lr"] != lrs[-1]]}))
+    second.write_text(json.dumps({"setup": setup, "ranks": 4, "rows": [r for r in rows if r["lr"] == lrs[-1]]}))
+    merged = bench.merged_report([str(first), str(second)])
+    assert merged == bench.format_report(bench.summarize(rows), bench.Setup(rank=4), 4, (0, 1, 2))
+    other.write_text(json.dumps({"setup": {**setup, "steps": 7}, "ranks": 4, "rows": []}))
+    with pytest.raises(ValueError, match=r"differs in \['steps'\]"):
+        bench.merged_report([str(first), str(other)])
+    with pytest.raises(ValueError, match="seed 0 is also in"):
+        bench.merged_report([str(first), str(first)])
+
+
 def test_bench_runs_one_tiny_sweep_in_process(capsys):
     from commwire.bench import lordo as bench
 

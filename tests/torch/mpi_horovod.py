@@ -203,7 +203,9 @@ def test_compression_fp16_roundtrip():
 
 # ------------------------------------------------------------------ grouped
 def test_grouped_allreduce_fuses_into_one_collective_per_dtype():
-    xs = [value(R, (i + 1, 3), torch.float32, case=i) for i in range(5)] + [value(R, (4,), torch.int64, case=9)]
+    # float32: 2-D tensors and a 1-D one (packed by flatten); int64: 1-D only (packed by cat, split back)
+    xs = [value(R, (i + 1, 3), torch.float32, case=i) for i in range(5)] + [value(R, (4,), torch.int64, case=9),
+                                                                            value(R, (5,), torch.float32, case=7)]
     commwire.stats(reset=True)
     got = hvd.grouped_allreduce(xs, op=hvd.Sum)
     calls = commwire.stats()["allreduce"]["calls"]
@@ -211,6 +213,8 @@ def test_grouped_allreduce_fuses_into_one_collective_per_dtype():
     for i in range(5):
         close(got[i], everyone((i + 1, 3), None, case=i).sum(0))
     close(got[5], everyone((4,), None, case=9).sum(0))
+    close(got[6], everyone((5,), None, case=7).sum(0))
+    assert [g.shape for g in got] == [x.shape for x in xs] and hvd.grouped_allreduce([]) == []
     ys = [value(R, (3,), torch.float64, case=i) for i in range(3)]
     assert hvd.grouped_allreduce_(ys, op=hvd.Average) is not None
     for i, y in enumerate(ys):
