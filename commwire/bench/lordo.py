@@ -404,6 +404,14 @@ def merged_report(paths: list[str]) -> str:
     return format_report(summarize(rows), Setup(**fields), ranks, seeds)
 
 
+def _publish(report: str, out: str | None) -> None:
+    """Print the Markdown report; also write it to ``out`` if given."""
+    print(report, flush=True)
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(report + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the sweep, print the report on rank 0."""
     p = argparse.ArgumentParser(prog="commwire bench lordo", description=__doc__.split("\n\n")[0])
@@ -432,10 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             report = merged_report(args.report)
         except (OSError, ValueError, KeyError) as exc:
             p.error(str(exc))
-        print(report, flush=True)
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as fh:
-                fh.write(report + "\n")
+        _publish(report, args.out)
         return
     arms = args.arms
     lrs = args.lrs if args.lrs is not None else (2e-3, 4e-3) if args.quick else LRS
@@ -458,11 +463,7 @@ def main(argv: list[str] | None = None) -> None:
 
     comm = cw.init()
     if comm.rank == 0:
-        report = format_report(summarize(rows), setup, comm.size, tuple(range(seeds)))
-        print(report, flush=True)
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as fh:
-                fh.write(report + "\n")
+        _publish(format_report(summarize(rows), setup, comm.size, tuple(range(seeds))), args.out)
 
 
 if __name__ == "__main__":
