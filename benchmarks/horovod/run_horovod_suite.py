@@ -172,11 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deselect", action="append", default=[], metavar="TEST",
                         help="leave out TorchTests.TEST (repeatable), e.g. a test that no implementation "
                              "can pass at this rank count; the summary names them")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="work in DIR and keep it (each rank's pytest log and JUnit report) instead of "
+                             "a temporary directory")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.np.split(",") if v.strip()]
     results: dict = {"suites": [], "examples": []}
     with tempfile.TemporaryDirectory(prefix="cw-horovod-") as tmp:
         work = Path(tmp)
+        if args.keep is not None:
+            if args.keep.exists() and any(args.keep.iterdir()):
+                raise SystemExit(f"--keep {args.keep}: the directory is not empty; pass a new or empty one")
+            work = args.keep.resolve()
+            work.mkdir(parents=True, exist_ok=True)
         directory = prepare(args.horovod, work / "suite")
         for n in counts if args.suite else []:
             row = run_suite(directory, n, args.timeout, work / f"out{n}", args.deselect)

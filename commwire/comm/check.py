@@ -11,6 +11,15 @@ in one Allgather. Only when something differs do they exchange the full
 signatures and error messages, and every rank raises the same exception with
 each rank's value, so the next collective pairs up as it should.
 
+A failed collective can still leave ranks at different places in the program:
+a test whose assertion fails on one rank only sends that rank on to the next
+test while the others run the rest of this one. ``resync`` is the way back in
+step: a rank that calls it waits there (exchanging a SYNC status) until every
+rank has called it, and a rank that meanwhile calls any other collective is told
+(the same mismatch error, naming the waiting ranks) instead of pairing its call
+with whatever the others do next. ``commwire.torch.init()``, called again on an
+initialised job, is such a point (Horovod's tests call it at the start of each).
+
 ``Communicator`` decides when to run this exchange (see its ``check``); this
 module holds the exchange itself and the messages.
 """
@@ -23,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "signature_hash",
-           "OK", "INVALID", "JOINED"]
+__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "resync", "signature_hash",
+           "OK", "INVALID", "JOINED", "SYNC"]
 
 
 class CollectiveMismatchError(ValueError, RuntimeError):
@@ -39,7 +48,7 @@ class CollectiveError(RuntimeError):
     """A collective failed on some ranks for reasons of different kinds; raised on every rank alike."""
 
 
-OK, INVALID, JOINED = 0, 1, 2
+OK, INVALID, JOINED, SYNC = 0, 1, 2, 3
 _FIELDS = ("operation", "name", "shape", "dtype", "op", "root", "codec", "device")
 _ROW_COLLECTIVES = ("allgather", "alltoall")  # their first dimension may differ between ranks
 # Exception types a verdict may carry to the other ranks: builtin or commwire's own,
@@ -85,23 +94,57 @@ def exchange(mpi_comm: Any, sig: tuple[Any, ...] | None, error: BaseException | 
     mine = np.array([signature_hash(sig) if sig is not None else 0, status, joined_for], dtype=np.int64)
     everyone = np.empty((mpi_comm.Get_size(), 3), dtype=np.int64)
     mpi_comm.Allgather(mine, everyone)
-    statuses = everyone[:, 1]
-    joined = [int(r) for r in np.flatnonzero(statuses == JOINED)]
-    joined_for_all = [int(v) for v in everyone[:, 2]]
+    statuses = everyone[:, 1].tolist()
+    joined = [r for r, s in enumerate(statuses) if s == JOINED]
+    joined_for_all = everyone[:, 2].tolist()
     if len(joined) == len(statuses):
         return Round(joined=joined, sig=None, joined_for=joined_for_all)
-    active = statuses != JOINED
-    if not (statuses == INVALID).any() and len(set(everyone[active, 0].tolist())) == 1 and not joined:
+    if not _needs_details(everyone):
+        if sig is None:  # only joined ranks and ranks waiting in resync: those raise, this one waits on
+            return Round(joined=joined, sig=("failed",), joined_for=joined_for_all)
         return Round(joined=[], sig=sig, joined_for=joined_for_all)
     # Something differs: the full signatures and messages travel (rare, so pickling is fine).
     details = mpi_comm.allgather((sig, _portable(error)))
-    problem = _verdict(details, mpi_comm.Get_rank())
+    problem = _verdict(details, mpi_comm.Get_rank(), [r for r, s in enumerate(statuses) if s == SYNC])
     if problem is not None:
         if sig is None:  # inside join(): the active ranks raise, this one waits for their next call
             return Round(joined=joined, sig=("failed",), joined_for=joined_for_all)
         raise problem
     agreed = next(s for s, _ in details if s is not None)
     return Round(joined=joined, sig=agreed, joined_for=joined_for_all)
+
+
+def resync(mpi_comm: Any) -> None:
+    """Wait until every rank of ``mpi_comm`` calls this; other collectives meanwhile raise on their callers.
+
+    Each round is the same Allgather that ``exchange`` starts with, so a rank
+    still running other collectives pairs each of them with one round here:
+    it raises ``CollectiveMismatchError`` (naming the ranks that wait here)
+    and this rank waits on. Raises RuntimeError on the ranks here if every
+    other rank is inside ``join()``, which would otherwise wait forever.
+    """
+    mine = np.array([0, SYNC, -1], dtype=np.int64)
+    everyone = np.empty((mpi_comm.Get_size(), 3), dtype=np.int64)
+    while True:
+        mpi_comm.Allgather(mine, everyone)
+        statuses = everyone[:, 1].tolist()
+        if all(s == SYNC for s in statuses):
+            return
+        if _needs_details(everyone):
+            mpi_comm.allgather((("resync", None), None))  # the active ranks raise; wait for their next call
+        elif OK not in statuses and INVALID not in statuses:
+            inside = [r for r, s in enumerate(statuses) if s == JOINED]
+            raise RuntimeError(
+                f"rank(s) {inside} of {len(statuses)} are inside join() while this rank waits for every rank "
+                "in init(); call init() before join() on every rank")
+
+
+def _needs_details(everyone: np.ndarray) -> bool:
+    """Whether a round's descriptors differ so that every rank exchanges full signatures (same verdict on all)."""
+    statuses = everyone[:, 1].tolist()
+    if OK not in statuses and INVALID not in statuses:
+        return False  # only ranks in join() or resync
+    return any(s != OK for s in statuses) or len(set(everyone[:, 0].tolist())) > 1
 
 
 def _portable(error: BaseException | None) -> tuple[type, str] | None:
@@ -113,14 +156,25 @@ def _portable(error: BaseException | None) -> tuple[type, str] | None:
     return cls, str(error)
 
 
-def _verdict(details: list[tuple[Any, Any]], rank: int) -> BaseException | None:
-    """Return the exception every active rank raises for these signatures and errors, or None."""
+def _verdict(details: list[tuple[Any, Any]], rank: int, waiting: list[int] = ()) -> BaseException | None:
+    """Return the exception every active rank raises for these signatures and errors, or None.
+
+    ``waiting`` are the ranks inside ``resync``: the others are behind them, whatever they call.
+    """
     size = len(details)
     sigs = [s for s, _ in details]
+    where = f"(this is rank {rank} of {size})"
+    if waiting:
+        calling = [r for r in range(size) if sigs[r] is not None and r not in waiting]
+        calls = ", ".join(f"rank {r}: {_label(sigs[r])}" for r in calling)
+        return CollectiveMismatchError(
+            f"ranks are out of step {where}: rank(s) {list(waiting)} wait in resync (commwire.torch.init() "
+            f"called again) for every rank, while the others call collectives -> {calls}\n"
+            "the calling ranks are behind (an earlier failure on some ranks only?): each of their collectives "
+            "raises this until they reach init() too")
     active = [r for r in range(size) if sigs[r] is not None]
     failed = [(r, details[r][1]) for r in active if details[r][1] is not None]
     label = _label(sigs[active[0]])
-    where = f"(this is rank {rank} of {size})"
     differing = _differences([sigs[r] for r in active], active)
     if failed and not any(line.startswith(("  operation ", "  name ")) for line in differing):
         kinds = {cls for _, (cls, _) in failed}

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import arrays
 from .arrays import HALF_DTYPES, DeviceOps, adapter_for, check_dtype, device_ops, dtype_name, stream_order
-from .check import Round, exchange
+from .check import Round, exchange, resync
 from .handle import Handle, in_lane, wait_requests
 from .reduce import REDUCE_OPS, check_reduction, flag_values, mpi_op, normalize_op, work_dtype
 from .stats import Counters
@@ -203,6 +203,19 @@ class Communicator:
         with self.watched("check " + str(sig[0]), sig[1]):
             wait_requests([flag[0]])
         return bool(flag[2][0])
+
+    def resync(self) -> None:
+        """Wait here until every rank calls ``resync``; a rank's other collectives meanwhile raise (see check).
+
+        Brings ranks that an earlier failure left at different places of the
+        program back in step. Needs ``check=True`` (every collective starts with
+        the exchange that tells a rank the others are waiting here).
+        """
+        if self.check is not True:
+            raise RuntimeError("resync() needs a communicator that agrees on every collective: create it with "
+                               "check=True (commwire.torch's process sets are)")
+        with self.watched("resync"):
+            resync(self.mpi)
 
     def join(self) -> int:
         """Take part in the other ranks' all-reduces with zeros until every rank has joined.
@@ -722,7 +735,10 @@ class Communicator:
     def barrier(self) -> None:
         """Block until every rank has reached this call."""
         start = _perf()
-        self._move("barrier", None, self.mpi.Barrier, self.mpi.Ibarrier, ())
+        if self.check is True:  # the exchange is itself a barrier, and pairs with ranks in resync or join
+            self._agree(("barrier", None), None)
+        else:
+            self._move("barrier", None, self.mpi.Barrier, self.mpi.Ibarrier, ())
         self.counters.record("barrier", 0, _perf() - start)
 
     # ----------------------------------------------------------------- groups

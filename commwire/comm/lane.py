@@ -23,7 +23,7 @@ from .handle import Handle, _mark_lane_thread
 if TYPE_CHECKING:
     from .communicator import Communicator
 
-__all__ = ["Lane", "lane_for", "close_lane"]
+__all__ = ["Lane", "lane_for", "existing_lane", "close_lane"]
 
 
 class _FutureHandle(Handle):
@@ -118,6 +118,13 @@ def lane_for(comm: Communicator) -> Lane:
         if lane is None or lane.parent is not comm:  # an id can be reused once a communicator is gone
             lane = _lanes[id(comm)] = Lane(comm)
         return lane
+
+
+def existing_lane(comm: Communicator) -> Lane | None:
+    """Return the lane of ``comm`` if it has one (never creates one: that would be collective)."""
+    with _lock:
+        lane = _lanes.get(id(comm))
+        return lane if lane is not None and lane.parent is comm else None
 
 
 def close_lane(comm: Communicator) -> None:

@@ -103,6 +103,16 @@ _state: dict[str, Any] = {}
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None, **kwargs: Any) -> None:
     """Initialise commwire (once) and Horovod's process sets.
 
+    Called again on an initialised job, ``init()`` is a synchronisation point
+    of the global process set: each rank waits there until every rank has
+    called it, and a rank that meanwhile runs other collectives of the global
+    set (blocking or asynchronous) gets a ``CollectiveMismatchError`` from each
+    instead of pairing them with whatever the waiting ranks do next. So a
+    failure that sent some ranks ahead (an assertion that fails on one rank
+    only) costs the ranks behind the rest of that piece of work, not every
+    collective after it. Horovod's test suite calls ``init()`` at the start of
+    every test; collectives of other process sets are not covered.
+
     Args:
         comm: None (MPI_COMM_WORLD), an mpi4py communicator, or a list of
             world ranks to run on (only those ranks may call init).
@@ -119,9 +129,13 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     else:
         runtime.init(comm=comm, **kwargs)
     with _lock:
-        if _state.get("world") is runtime.world():
+        again = _state.get("world") is runtime.world()
+    if again:
+        _resync(global_process_set.comm)
+        with _lock:
             _register_all(process_sets)
-            return
+        return
+    with _lock:
         world = runtime.world()
         _sets.clear()
         global_process_set.ranks = list(range(world.size))
@@ -134,6 +148,17 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         _start_lane(global_process_set.comm)
         _env.apply_at_init()
         _register_all(process_sets)
+
+
+def _resync(comm: Communicator) -> None:
+    """Wait until every rank resyncs ``comm`` and its lane (both at once: a rank behind may be in either)."""
+    from ..comm.lane import existing_lane
+
+    lane = existing_lane(comm)
+    handle = lane.submit(Communicator.resync, label="init") if lane is not None else None
+    comm.resync()
+    if handle is not None:
+        handle.wait()
 
 
 def _ranks_comm(ranks: list[int]) -> Any:

@@ -14,6 +14,7 @@ are small integers).
 from __future__ import annotations
 
 import itertools
+import re
 import time
 
 import numpy as np
@@ -244,6 +245,35 @@ def test_join_counts_joined_ranks_as_zeros():
 def test_join_needs_a_checked_communicator():
     with pytest.raises(RuntimeError, match="check=True"):
         WORLD.join()
+
+
+def test_resync_waits_for_every_rank_and_fails_the_collectives_of_ranks_behind():
+    # Rank BAD is behind by a reduce-scatter, an allgather and a broadcast: each raises there with
+    # the waiting ranks named, the others wait in resync, and afterwards collectives pair up again.
+    if R == BAD:
+        calls = (lambda: CHECKED.reduce_scatter(np.ones(P * 2), name="behind.rs"),
+                 lambda: CHECKED.allgather(np.ones(3), name="behind.ag"),
+                 lambda: CHECKED.broadcast(np.ones(2), root=0, name="behind.bc"))
+        for call in calls:
+            with pytest.raises(cw.CollectiveMismatchError,
+                               match=re.escape(f"rank(s) {list(range(P - 1))} wait in resync")):
+                call()
+    start = time.monotonic()
+    CHECKED.resync()
+    assert time.monotonic() - start < 30
+    got = CHECKED.allreduce(np.full(4, R + 1.0), name="after.resync")
+    np.testing.assert_array_equal(got, np.full(4, P * (P + 1) / 2))
+
+
+def test_resync_refuses_to_wait_for_ranks_inside_join():
+    if R == 0:
+        assert CHECKED.join() == P - 1  # the others join after their resync failed: the last of them
+    else:
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] of .* inside join\(\)"):
+            CHECKED.resync()
+        assert CHECKED.join() == P - 1
+    with pytest.raises(RuntimeError, match="check=True"):
+        WORLD.resync()
 
 
 def test_check_false_skips_agreement():

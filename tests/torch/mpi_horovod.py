@@ -457,6 +457,40 @@ def test_join_while_other_ranks_reduce_asynchronously(dtype):
         assert hvd.allgather_object(last) == [last] * P
         assert last != first or P == 1
 
+# ------------------------------------------------------------------ init() as a synchronisation point
+@pytest.mark.parametrize("behind", ["blocking", "async", "ahead"])
+def test_init_brings_ranks_a_failure_left_apart_back_in_step(behind):
+    # Rank P-1 runs two more collectives than the others (as after an assertion that failed on the
+    # others only): each raises there, naming the waiting ranks, and nothing pairs with the next
+    # work. "ahead": the others are the ones still running collectives while rank P-1 waits.
+    if P == 1:
+        pytest.skip("needs two ranks")
+    odd = (R == P - 1) != (behind == "ahead")
+    if odd:
+        for i in range(2):
+            with pytest.raises(commwire.CollectiveMismatchError, match=r"wait in resync \(commwire.torch.init\(\) called again\) for every rank"):
+                if behind == "async":
+                    hvd.synchronize(hvd.allreduce_async(torch.ones(4), name=f"behind.{i}"))
+                else:
+                    hvd.allreduce(torch.ones(4), name=f"behind.{i}")
+    hvd.init()
+    got = hvd.allreduce(torch.full((3,), float(R + 1)), op=hvd.Sum, name="after.init")
+    close(got, torch.full((3,), float(P * (P + 1) // 2)))
+    got = hvd.synchronize(hvd.allreduce_async(torch.full((2,), float(R)), op=hvd.Sum, name="after.init.async"))
+    close(got, torch.full((2,), float(P * (P - 1) // 2)))
+
+
+def test_barrier_pairs_with_ranks_waiting_in_init():
+    if P == 1:
+        pytest.skip("needs two ranks")
+    if R == 0:
+        with pytest.raises(commwire.CollectiveMismatchError, match=r"wait in resync(.|\n)*rank 0: collective 'barrier'"):
+            hvd.barrier()
+    hvd.init()
+    hvd.barrier()
+    assert hvd.allgather_object(R) == list(range(P))
+
+
 # ------------------------------------------------------------------ DistributedOptimizer
 def _fit(opt_factory, steps=3, **kwargs):
     torch.manual_seed(0)
