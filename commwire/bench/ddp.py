@@ -10,7 +10,11 @@ gloo; only the communication hook differs:
 - ``ddp powersgd r1`` / ``r4``: DDP's PowerSGD hook at its default rank (1) and
   at rank 4 (low-rank after 2 warm-up steps, with its error feedback);
 - ``commwire <codec>``: ``commwire.torch.ddp_hook(codec)`` (none, bf16, FP8,
-  NVFP4, error feedback).
+  NVFP4, error feedback);
+- ``no communication``: the same steps under ``ddp.no_sync()`` — each rank
+  trains alone, nothing is sent. Not a method: the floor any hook's step time
+  sits on (forward, backward, optimizer), so the table shows how much of a
+  step is left for communication to save.
 
 Steps are timed in interleaved rounds (each round runs every configuration),
 the slowest rank's median counts. Bytes per step are measured where they are
@@ -35,7 +39,7 @@ from ._report import emit
 __all__ = ["run_ddp_bench", "over_seeds", "format_table", "main", "CONFIGS"]
 
 CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
-           "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4")
+           "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4", "no communication")
 
 
 class _CountingAllreduce:
@@ -86,7 +90,7 @@ def _register(label: str, ddp: Any, model: Any) -> Any:
     import commwire.torch as hvd
 
     _annotate_bf16()
-    if label == "ddp":
+    if label in ("ddp", "no communication"):
         return None
     if label == "ddp bf16":
         ddp.register_comm_hook(None, _torch_bf16_hook)
@@ -133,9 +137,16 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
         counted = {"bytes": 0}
 
         def step(i: int, ddp: Any = ddp, opt: Any = opt, counted: dict[str, int] = counted,
-                 torch_hook: bool = label.startswith("ddp ")) -> None:
+                 torch_hook: bool = label.startswith("ddp "), alone: bool = label == "no communication") -> None:
             x, y = data[i % len(data)]
             opt.zero_grad(set_to_none=True)
+            if alone:
+                with ddp.no_sync():
+                    logits = ddp(x)
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                    loss.backward()
+                opt.step()
+                return
             logits = ddp(x)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             if torch_hook:
@@ -169,7 +180,8 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
     rows = []
     for label, _, state, model, _ in runners:
         median = max(m[label] for m in medians)
-        per_step = fp32_bytes if label == "ddp" else sent[label] / (rounds * steps)
+        per_step = fp32_bytes if label == "ddp" else 0 if label == "no communication" else \
+            sent[label] / (rounds * steps)
         loss = comm.allreduce(np.array([evaluate(model, corpus, batches=4, batch=16)]), "avg")[0]
         rows.append({"config": label, "ranks": comm.size, "params": sum(p.numel() for p in model.parameters()),
                      "step_ms": median * 1e3, "ratio_vs_ddp": median / base, "MB_per_step": per_step / 1e6,
