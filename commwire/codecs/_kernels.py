@@ -12,7 +12,10 @@ Why this shape:
 - Chunks are fixed-size, and the random bits of stochastic rounding depend only
   on (stream, global element index), so the result is identical for any thread
   count.
-- Decoding reads a 256-entry table (``FloatFormat.lut``) per code.
+- Decoding reads a 256-entry table (``FloatFormat.lut``) per code; E4M3, E5M2,
+  bf16 and fp16 also have kernels with their format constants compiled in
+  (int32 lanes, values computed instead of looked up), chosen by matching the
+  parameters or table, and bit-identical to the table kernels (tests compare).
 - NVFP4 has a faster path for round to nearest (the default): with exactly one
   16-element block per AVX-512 vector, each pass runs over whole blocks on
   scratch that stays in cache, and its integer steps are cast back to int32
@@ -183,6 +186,36 @@ def _value(mag, p, min_subnormal):
     return normal if mag >= _I(_I(1) << man_bits) else np.float32(mag) * min_subnormal
 
 
+# ---- format constants of the fast paths ---------------------------------------
+#
+# A kernel that reads its format's constants as globals (not arguments) compiles them
+# in: shifts by constants and int32 lanes, about 4x faster than the generic kernels
+# (measured: E4M3 encoding 2.2 vs 8.4 ms for 6.65 M elements, one thread).
+
+_E4M3 = _typed(get_format("e4m3").kernel_params())
+_E5M2 = _typed(get_format("e5m2").kernel_params())
+_E2M1 = _typed(get_format("e2m1").kernel_params())
+_BF16 = _typed(get_format("bf16").kernel_params())
+_FP16 = _typed(get_format("fp16").kernel_params())
+_E4M3_SUB = np.float32(get_format("e4m3").min_subnormal)
+_E5M2_SUB = np.float32(get_format("e5m2").min_subnormal)
+_E2M1_SUB = np.float32(get_format("e2m1").min_subnormal)
+_E4M3_INF_IS_MAX = bool(_E4M3[7] == get_format("e4m3").max_code)  # False: Inf encodes as the NaN code
+_E2M1_INF_IS_MAX = bool(_E2M1[7] == get_format("e2m1").max_code)  # True: Inf saturates to ±6
+_E4M3_LUT = get_format("e4m3").lut()
+_E5M2_LUT = get_format("e5m2").lut()
+_E2M1_LUT = get_format("e2m1").lut()
+_BF16_LUT = get_format("bf16").lut()
+_FP16_LUT = get_format("fp16").lut()
+_GENERIC, _FAST_E4M3, _FAST_E5M2, _FAST_BF16, _FAST_FP16 = 0, 1, 2, 3, 4
+"""Which kernel a driver runs: the generic one (constants as arguments) or a format's own."""
+_FAST_PARAMS = {_E4M3: _FAST_E4M3, _E5M2: _FAST_E5M2, _BF16: _FAST_BF16, _FP16: _FAST_FP16}
+
+
+def _fast_id(params: tuple) -> int:
+    return _FAST_PARAMS.get(params, _GENERIC)
+
+
 # ---- slice kernels (vectorised inner loops) ----------------------------------
 
 
@@ -259,6 +292,144 @@ def _dec16_add_slice(buf, lut, out, tmp):
         _add_into(out[lo:hi], part)
 
 
+
+# ---- format-specific slice kernels (constants compiled in) -----------------------
+
+
+def _specials(lut: np.ndarray) -> tuple[np.int32, np.int32]:
+    """Return (the +Inf code or -1, the smallest NaN code) of a sign-magnitude format's table."""
+    half = lut[: lut.size // 2]
+    inf = np.flatnonzero(np.isposinf(half))
+    return np.int32(inf[0] if inf.size else -1), np.int32(np.flatnonzero(np.isnan(half))[0])
+
+
+_E4M3_INF, _E4M3_NAN = _specials(_E4M3_LUT)
+_E5M2_INF, _E5M2_NAN = _specials(_E5M2_LUT)
+_FP16_INF, _FP16_NAN = _specials(_FP16_LUT)
+_FP16_SUB = np.float32(get_format("fp16").min_subnormal)
+
+
+@njit(inline="always")
+def _code_value(code, p, sub, sign_code, inf_code, nan_code):
+    """Return the float32 value of ``code`` (the same as its table entry): no gather, so it vectorises."""
+    mag = _I(code & _I(sign_code - _I(1)))
+    v = _value(mag, p, sub)
+    v = np.float32(np.inf) if mag == inf_code else v
+    v = -v if code >= sign_code else v
+    return np.float32(np.nan) if mag >= nan_code else v  # the tables' one NaN, whatever the sign
+
+
+@_jit()
+def _enc_e4m3_slice(x, out, inv):
+    for i in range(x.size):
+        out[i] = np.uint8(_code_rne32(x[i] * inv, _E4M3, False))
+
+
+@_jit()
+def _enc_e5m2_slice(x, out, inv):
+    for i in range(x.size):
+        out[i] = np.uint8(_code_rne32(x[i] * inv, _E5M2, False))
+
+
+@_jit()
+def _enc8_fast_slice(x, out, inv, f):
+    if f == _FAST_E4M3:
+        _enc_e4m3_slice(x, out, inv)
+    else:
+        _enc_e5m2_slice(x, out, inv)
+
+
+@_jit()
+def _dec_e4m3_slice(codes, scale, out):
+    for i in range(codes.size):
+        out[i] = _code_value(_I(codes[i]), _E4M3, _E4M3_SUB, _I(0x80), _E4M3_INF, _E4M3_NAN) * scale
+
+
+@_jit()
+def _dec_e4m3_add_slice(codes, scale, out):
+    for i in range(codes.size):
+        out[i] = out[i] + _code_value(_I(codes[i]), _E4M3, _E4M3_SUB, _I(0x80), _E4M3_INF, _E4M3_NAN) * scale
+
+
+@_jit()
+def _dec_e5m2_slice(codes, scale, out):
+    for i in range(codes.size):
+        out[i] = _code_value(_I(codes[i]), _E5M2, _E5M2_SUB, _I(0x80), _E5M2_INF, _E5M2_NAN) * scale
+
+
+@_jit()
+def _dec_e5m2_add_slice(codes, scale, out):
+    for i in range(codes.size):
+        out[i] = out[i] + _code_value(_I(codes[i]), _E5M2, _E5M2_SUB, _I(0x80), _E5M2_INF, _E5M2_NAN) * scale
+
+
+@_jit()
+def _dec8_fast_slice(codes, scale, out, add, f):
+    if f == _FAST_E4M3:
+        if add:
+            _dec_e4m3_add_slice(codes, scale, out)
+        else:
+            _dec_e4m3_slice(codes, scale, out)
+    elif add:
+        _dec_e5m2_add_slice(codes, scale, out)
+    else:
+        _dec_e5m2_slice(codes, scale, out)
+
+
+@_jit()
+def _enc_bf16_slice(x, out16):
+    for i in range(x.size):
+        out16[i] = np.uint16(_code_rne32(x[i], _BF16, False))
+
+
+@_jit()
+def _enc_fp16_slice(x, out16):
+    for i in range(x.size):
+        out16[i] = np.uint16(_code_rne32(x[i], _FP16, False))
+
+
+@njit(inline="always")
+def _bf16_value(code):
+    v = _flt(_I(_I(code) << _I(16)))  # a bf16 code is the top half of its float32
+    return np.float32(np.nan) if v != v else v  # the table's one NaN, whatever the payload
+
+
+@_jit()
+def _dec_bf16_slice(buf16, out):
+    for i in range(out.size):
+        out[i] = _bf16_value(buf16[i])
+
+
+@_jit()
+def _dec_bf16_add_slice(buf16, out):
+    for i in range(out.size):
+        out[i] = out[i] + _bf16_value(buf16[i])
+
+
+@_jit()
+def _dec_fp16_slice(buf16, out):
+    for i in range(out.size):
+        out[i] = _code_value(_I(buf16[i]), _FP16, _FP16_SUB, _I(0x8000), _FP16_INF, _FP16_NAN)
+
+
+@_jit()
+def _dec_fp16_add_slice(buf16, out):
+    for i in range(out.size):
+        out[i] = out[i] + _code_value(_I(buf16[i]), _FP16, _FP16_SUB, _I(0x8000), _FP16_INF, _FP16_NAN)
+
+
+@_jit()
+def _dec16_fast_slice(buf16, out, add, f):
+    if f == _FAST_BF16:
+        if add:
+            _dec_bf16_add_slice(buf16, out)
+        else:
+            _dec_bf16_slice(buf16, out)
+    elif add:
+        _dec_fp16_add_slice(buf16, out)
+    else:
+        _dec_fp16_slice(buf16, out)
+
 # ---- parallel drivers ---------------------------------------------------------
 
 
@@ -282,7 +453,7 @@ def _amax_serial(x):
 
 
 @_jit(parallel=True)
-def _fp8_tensor(x, out, inv, p, sr, stream):
+def _fp8_tensor(x, out, inv, p, sr, stream, f):
     n = x.size
     nch = (n + _CHUNK - 1) // _CHUNK
     for c in prange(nch):
@@ -290,12 +461,14 @@ def _fp8_tensor(x, out, inv, p, sr, stream):
         hi = min(lo + _CHUNK, n)
         if sr:
             _enc_sr_slice(x[lo:hi], out[lo:hi], inv, p, stream, lo)
+        elif f != _GENERIC:
+            _enc8_fast_slice(x[lo:hi], out[lo:hi], inv, f)
         else:
             _enc_rne_slice(x[lo:hi], out[lo:hi], inv, p)
 
 
 @_jit(parallel=True)
-def _fp8_blocks(x, out, scales, block, p, max_finite, floor, sr, stream):
+def _fp8_blocks(x, out, scales, block, p, max_finite, floor, sr, stream, f):
     n = x.size
     nb = scales.size
     per = max(1, _CHUNK // block)  # blocks per task
@@ -310,6 +483,8 @@ def _fp8_blocks(x, out, scales, block, p, max_finite, floor, sr, stream):
             inv = np.float32(1.0) / scale
             if sr:
                 _enc_sr_slice(x[lo:hi], out[lo:hi], inv, p, stream, lo)
+            elif f != _GENERIC:
+                _enc8_fast_slice(x[lo:hi], out[lo:hi], inv, f)
             else:
                 _enc_rne_slice(x[lo:hi], out[lo:hi], inv, p)
 
@@ -358,6 +533,44 @@ def _dec16(buf, lut, out, add):
             _dec16_add_slice(buf[2 * lo : 2 * hi], lut, out[lo:hi], tmp)
         else:
             _dec16_slice(buf[2 * lo : 2 * hi], lut, out[lo:hi])
+
+
+@_jit(parallel=True)
+def _dec8_fast(codes, scales, block, out, add, f):
+    """Decode (or add) 8-bit codes times per-block scales, in fixed chunks whatever the block size."""
+    n = out.size
+    nch = (n + _CHUNK - 1) // _CHUNK
+    for c in prange(nch):
+        i = c * _CHUNK
+        hi = min(i + _CHUNK, n)
+        while i < hi:
+            b = i // block
+            j = min((b + 1) * block, hi)
+            _dec8_fast_slice(codes[i:j], scales[b], out[i:j], add, f)
+            i = j
+
+
+@_jit(parallel=True)
+def _enc16_fast(x, out16, f):
+    n = x.size
+    nch = (n + _CHUNK - 1) // _CHUNK
+    for c in prange(nch):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        if f == _FAST_BF16:
+            _enc_bf16_slice(x[lo:hi], out16[lo:hi])
+        else:
+            _enc_fp16_slice(x[lo:hi], out16[lo:hi])
+
+
+@_jit(parallel=True)
+def _dec16_fast(buf16, out, add, f):
+    n = out.size
+    nch = (n + _CHUNK - 1) // _CHUNK
+    for c in prange(nch):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        _dec16_fast_slice(buf16[lo:hi], out[lo:hi], add, f)
 
 
 # ---- NVFP4: generic path (stochastic rounding, other formats) -----------------
@@ -503,14 +716,6 @@ def _nvfp4_decode(packed, scodes, sg, lut8, lut4, out):
 #   3. per block: 16 E2M1 codes of x * (1/scale), one AVX-512 vector, then 2 codes a byte.
 # Decoding expands the nibbles to one byte each, then scales whole blocks.
 
-_E4M3 = _typed(get_format("e4m3").kernel_params())
-_E2M1 = _typed(get_format("e2m1").kernel_params())
-_E4M3_SUB = np.float32(get_format("e4m3").min_subnormal)
-_E2M1_SUB = np.float32(get_format("e2m1").min_subnormal)
-_E4M3_INF_IS_MAX = bool(_E4M3[7] == get_format("e4m3").max_code)  # False: Inf encodes as the NaN code
-_E2M1_INF_IS_MAX = bool(_E2M1[7] == get_format("e2m1").max_code)  # True: Inf saturates to ±6
-_E4M3_LUT = get_format("e4m3").lut()
-_E2M1_LUT = get_format("e2m1").lut()
 
 
 @njit(inline="always")
@@ -709,7 +914,50 @@ def _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, add) -> None:
         _nvfp4_decode(packed, scodes, sg, lut8, lut4, out)
 
 
+@_jit()
+def _add_slice(a, b, out):
+    for i in range(out.size):
+        out[i] = a[i] + b[i]
+
+
+@_jit()
+def _residual_slice(y, d, r):
+    for i in range(r.size):
+        v = y[i] - d[i]
+        r[i] = v if _I(_bits(v) & _I(_ABS_MASK)) < _I(_INF_BITS) else np.float32(0.0)
+
+
+@_jit(parallel=True)
+def _add(a, b, out):
+    n = out.size
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        _add_slice(a[lo:hi], b[lo:hi], out[lo:hi])
+
+
+@_jit(parallel=True)
+def _residual(y, d, r):
+    n = r.size
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        _residual_slice(y[lo:hi], d[lo:hi], r[lo:hi])
+
+
 # ---- backend API (same names and signatures as _torch_kernels) ----------------
+
+
+def add_into(a, b, out) -> None:
+    """Write ``a + b`` into ``out`` (float32 vectors of one length; ``out`` may be ``a`` or ``b``)."""
+    _use_threads()
+    _add(a, b, out)
+
+
+def feedback_residual(y, decoded, out) -> None:
+    """Write ``y - decoded`` into ``out``, non-finite differences as 0 (error feedback's residual)."""
+    _use_threads()
+    _residual(y, decoded, out)
 
 
 def amax(x: np.ndarray) -> np.float32:
@@ -744,43 +992,79 @@ def encode_scaled(x, out, scale, params, *, sr=False, stream=0) -> None:
     """Write one 8-bit code per element of ``x * (1 / scale)`` into ``out``."""
     _use_threads()
     inv = np.float32(1.0) / np.float32(scale)
-    _fp8_tensor(x, out, inv, _typed(params), sr, stream)
+    p = _typed(params)
+    _fp8_tensor(x, out, inv, p, sr, stream, _fast_id(p))
 
 
 def encode_blocks(x, out, scales, block, params, max_finite, floor, *, sr=False, stream=0) -> None:
     """Write per-block scales (max(block amax / max_finite, floor)) and 8-bit codes."""
     _use_threads()
-    _fp8_blocks(x, out, scales, block, _typed(params), np.float32(max_finite), np.float32(floor), sr, stream)
+    p = _typed(params)
+    _fp8_blocks(x, out, scales, block, p, np.float32(max_finite), np.float32(floor), sr, stream, _fast_id(p))
+
+
+_FAST_TABLES = ((_E4M3_LUT, _FAST_E4M3), (_E5M2_LUT, _FAST_E5M2), (_BF16_LUT, _FAST_BF16), (_FP16_LUT, _FAST_FP16))
+
+
+def _table_id(lut: np.ndarray) -> int:
+    """Return the fast-path id of a decoding table (the formats' cached tables, by identity), else generic."""
+    return next((f for table, f in _FAST_TABLES if lut is table), _GENERIC)
+
+
+def _halves(buf: np.ndarray) -> np.ndarray | None:
+    """Return a byte buffer as little-endian uint16 codes when it can be viewed so, else None."""
+    if not np.little_endian or buf.ctypes.data % 2 or buf.size % 2 or not buf.flags.c_contiguous:
+        return None
+    return buf.view(np.uint16)
+
+
+def _decode8(codes, scales, block, lut, out, add) -> None:
+    _use_threads()
+    f = _table_id(lut)
+    if f in (_FAST_E4M3, _FAST_E5M2):
+        _dec8_fast(codes, scales, max(1, min(block, out.size)), out, add, f)
+    else:
+        _dec_blocks(codes, scales, max(1, block), lut, out, add)
 
 
 def decode_blocks(codes, scales, block, lut, out) -> None:
     """Decode 8-bit codes times per-block scales (one scale per tensor: ``block >= n``)."""
-    _use_threads()
-    _dec_blocks(codes, scales, max(1, block), lut, out, False)
+    _decode8(codes, scales, block, lut, out, False)
 
 
 def decode_blocks_add(codes, scales, block, lut, out) -> None:
     """Add the values of :func:`decode_blocks` to ``out`` in one pass (same rounding as decode, then add)."""
-    _use_threads()
-    _dec_blocks(codes, scales, max(1, block), lut, out, True)
+    _decode8(codes, scales, block, lut, out, True)
 
 
 def encode16(x, out, params) -> None:
     """Write two little-endian bytes per element (fp16/bf16 codes, RNE) into ``out``."""
     _use_threads()
-    _enc16(x, out, _typed(params))
+    p = _typed(params)
+    f, halves = _fast_id(p), _halves(out)
+    if f in (_FAST_BF16, _FAST_FP16) and halves is not None:
+        _enc16_fast(x, halves, f)
+    else:
+        _enc16(x, out, p)
+
+
+def _decode16(buf, lut, out, add) -> None:
+    _use_threads()
+    f, halves = _table_id(lut), _halves(buf)
+    if f in (_FAST_BF16, _FAST_FP16) and halves is not None:
+        _dec16_fast(halves, out, add, f)
+    else:
+        _dec16(buf, lut, out, add)
 
 
 def decode16(buf, lut, out) -> None:
     """Decode little-endian 16-bit codes through a 65536-entry table into ``out``."""
-    _use_threads()
-    _dec16(buf, lut, out, False)
+    _decode16(buf, lut, out, False)
 
 
 def decode16_add(buf, lut, out) -> None:
     """Add the values of :func:`decode16` to ``out`` in one pass."""
-    _use_threads()
-    _dec16(buf, lut, out, True)
+    _decode16(buf, lut, out, True)
 
 
 def nvfp4_encode(x, packed, scodes, sg, p8, p4, lut8, *, sr=False, stream=0) -> None:

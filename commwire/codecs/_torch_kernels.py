@@ -223,3 +223,14 @@ def nvfp4_decode_add(packed, scodes, sg, lut8, lut4, out) -> None:
     part = torch.empty_like(out)
     nvfp4_decode(packed, scodes, sg, lut8, lut4, part)
     out.add_(part)
+
+
+def add_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``a + b`` into ``out`` (float32 vectors of one length; ``out`` may be ``a`` or ``b``)."""
+    torch.add(a, b, out=out)
+
+
+def feedback_residual(y: torch.Tensor, decoded: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``y - decoded`` into ``out``, non-finite differences as 0 (error feedback's residual)."""
+    torch.sub(y, decoded, out=out)
+    out.nan_to_num_(0.0, 0.0, 0.0)

@@ -191,3 +191,62 @@ def test_format_values_match_tables():
 
     np.testing.assert_array_equal(bits(values(_kernels._E4M3, _kernels._E4M3_SUB)), bits(E4M3.lut()[:127]))
     np.testing.assert_array_equal(bits(e2m1_values()), bits(E2M1.lut()))
+
+
+# ---- FP8 and 16-bit fast paths (format constants compiled in) against the generic kernels ----
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("n", [1, 17, 16384 * 2 + 17])
+def test_fp8_fast_paths_match_generic_kernels(name, n, threads):
+    fmt = get_format(name)
+    p = _kernels._typed(fmt.kernel_params())
+    f = _kernels._fast_id(p)
+    assert f != _kernels._GENERIC and _kernels._table_id(fmt.lut()) == f
+    codecs.set_threads(threads)
+    try:
+        for x in hard_inputs(n, seed=n):
+            for inv in (np.float32(1.0), np.float32(0.37), np.float32(3e4)):
+                fast, generic = np.empty(n, np.uint8), np.empty(n, np.uint8)
+                _kernels._fp8_tensor(x, fast, inv, p, False, 0, f)
+                _kernels._fp8_tensor(x, generic, inv, p, False, 0, _kernels._GENERIC)
+                np.testing.assert_array_equal(fast, generic)
+            for block in (1, 16, 5000):
+                y = np.nan_to_num(x * np.float32(0.37), nan=np.nan, posinf=np.inf, neginf=-np.inf)
+                fast, generic = np.empty(n, np.uint8), np.empty(n, np.uint8)
+                s_fast, s_generic = np.empty(-(-n // block), np.float32), np.empty(-(-n // block), np.float32)
+                args = (p, np.float32(fmt.max_finite), np.float32(2.0**-126), False, 0)
+                _kernels._fp8_blocks(y, fast, s_fast, block, *args, f)
+                _kernels._fp8_blocks(y, generic, s_generic, block, *args, _kernels._GENERIC)
+                np.testing.assert_array_equal(fast, generic)
+                np.testing.assert_array_equal(bits(s_fast), bits(s_generic))
+                for add in (False, True):
+                    out_fast = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+                    out_generic = out_fast.copy()
+                    _kernels._decode8(fast, s_fast, block, fmt.lut(), out_fast, add)
+                    _kernels._dec_blocks(fast, s_fast, block, fmt.lut(), out_generic, add)
+                    np.testing.assert_array_equal(bits(out_fast), bits(out_generic))
+    finally:
+        codecs.set_threads(None)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_16bit_fast_paths_match_generic_kernels(name, offset):
+    # offset 1: a buffer at an odd address cannot be viewed as uint16, and takes the byte path.
+    fmt = get_format(name)
+    p = fmt.kernel_params()
+    n = 16384 * 2 + 17
+    for x in hard_inputs(n, seed=3):
+        store = np.empty(2 * n + offset, np.uint8)
+        fast, generic = store[offset:], np.empty(2 * n, np.uint8)
+        assert (_kernels._halves(fast) is None) == bool(offset)
+        _kernels.encode16(x, fast, p)
+        _kernels._enc16(x, generic, _kernels._typed(p))
+        np.testing.assert_array_equal(fast, generic)
+        for add in (False, True):
+            out_fast = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+            out_generic = out_fast.copy()
+            _kernels._decode16(fast, fmt.lut(), out_fast, add)
+            _kernels._dec16(generic, fmt.lut(), out_generic, add)
+            np.testing.assert_array_equal(bits(out_fast), bits(out_generic))
