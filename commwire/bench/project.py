@@ -281,15 +281,19 @@ def casgd_step_seconds(m: LinkModel, p: int, b: int, s: int, compute_s: float, i
 
 
 def choose_s(m: LinkModel, p: int, b: int, compute_s: dict[int, float],
-             itemsize: int = 4) -> tuple[int, dict[int, float]]:
-    """Return the s of least modelled time per inner step, and each candidate's time (ties: the smaller s).
+             itemsize: int = 4, margin: float = 0.0) -> tuple[int, dict[int, float]]:
+    """Return the smallest s modelled within ``margin`` of the least time per inner step, and each candidate's time.
 
     ``compute_s`` maps each candidate s to its measured local work per exchange.
+    With ``margin=0`` this is the argmin (ties: the smaller s).
     """
     if not compute_s:
         raise ValueError("no candidate s to choose from; give compute_s as {s: seconds per exchange}")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin={margin!r} must be in [0, 1): the fraction a larger s must gain to be chosen")
     per_step = {s: casgd_step_seconds(m, p, b, s, c, itemsize) for s, c in sorted(compute_s.items())}
-    best = min(per_step, key=lambda s: (per_step[s], s))
+    least = min(per_step.values())
+    best = min(s for s, t in per_step.items() if t <= least * (1.0 + margin))
     return best, per_step
 
 

@@ -275,6 +275,16 @@ def test_choose_s_breaks_ties_towards_the_smaller_s_and_skips_unmeasured():
     assert project.sstep_words(32, 4) == 32 * 4 + 496 * 16
 
 
+def test_choose_s_with_a_margin_takes_the_smallest_s_near_the_best():
+    link = project.LinkModel(alpha=0.0, beta=1.0)  # one rank: the modelled step is the work over s
+    compute = {8: 8 * 12e-6, 16: 16 * 10.5e-6, 32: 32 * 10e-6, 64: 64 * 9.8e-6}
+    assert project.choose_s(link, 1, 4, compute)[0] == 64  # the argmin
+    assert project.choose_s(link, 1, 4, compute, margin=0.1)[0] == 16  # 10.5 within 10% of 9.8; 12 is not
+    assert project.choose_s(link, 1, 4, compute, margin=0.25)[0] == 8
+    with pytest.raises(ValueError, match=r"margin=1.5 must be in \[0, 1\)"):
+        project.choose_s(link, 1, 4, compute, margin=1.5)
+
+
 @pytest.mark.parametrize("bucket", [False, True])
 def test_fit_link_recovers_the_shape_of_the_link(bucket):
     truth = project.LinkModel(alpha=60e-6, alpha_large=90e-6, beta=8e-9, token_bucket=bucket)

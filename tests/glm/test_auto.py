@@ -55,7 +55,8 @@ def test_auto_picks_the_modelled_best_and_keeps_the_iterates() -> None:
     auto = result.auto
     assert isinstance(auto, glm.AutoS) and result.s == auto.s in auto.candidates == _auto.candidates(8, 512)
     finite = {s: t for s, t in zip(auto.candidates, auto.step_s) if math.isfinite(t)}
-    assert auto.s == min(finite, key=lambda s: (finite[s], s))
+    least = min(finite.values())
+    assert auto.s == min(s for s, t in finite.items() if t <= least * (1 + _auto.MARGIN))
     # one rank: no messages, so the modelled step is the measured work per exchange over s
     for s, t, c in zip(auto.candidates, auto.step_s, auto.compute_s):
         assert t == pytest.approx(c / s) or (math.isinf(t) and math.isinf(c))
