@@ -52,10 +52,13 @@ def test_ranks_that_measure_differently_still_agree(monkeypatch) -> None:
     est = GLM("logistic", s="auto", batch_size=8, max_iter=1, tol=None, random_state=0).fit(X, y, comm=COMM)
     chosen = COMM.allgather_object(est.s_)
     assert len(set(chosen)) == 1, chosen
-    # with every rank's time MAX-reduced no candidate is cheap, so the least of the uniform 1 s per step wins
+    # with every rank's time MAX-reduced no candidate is cheap: of the uniform 1 s per step (plus
+    # messages), the smallest s modelled within MARGIN of the least wins
     auto = est.result_.auto
     modelled = dict(zip(auto.candidates, auto.step_s))
-    assert auto.compute_s[0] == 1.0 and est.s_ == min(modelled, key=lambda s: (modelled[s], s))
+    least = min(modelled.values())
+    assert auto.compute_s[0] == 1.0
+    assert est.s_ == min(s for s, t in modelled.items() if t <= least * (1 + _auto.MARGIN))
 
 
 @pytest.mark.parametrize("s", ["bogus", 0])
