@@ -226,7 +226,8 @@ def _converge(blocks: Any, spec: BenchSet, comm: Any, plan: list[tuple[Any, ...]
             "wall_s": float(np.median(walls)), "wall_best_s": float(min(walls)), "wall_samples_s": walls,
             "us_per_step": float(np.median(per_step)) * 1e6, "us_per_step_best": float(min(per_step)) * 1e6,
             "tune_s": float(np.median(tunes)) if tunes else 0.0, "allreduces": calls,
-            # What "auto" modelled per inner step for each candidate (the last repeat), to check it against the fixed-s rows.
+            # What "auto" modelled per inner step for each candidate (the last repeat), to check
+            # against the fixed-s rows.
             "auto_model_us": ({str(c): t * 1e6 for c, t in zip(result.auto.candidates, result.auto.step_s)}
                               if result.auto else None),
             "loss": objective(blocks, result.coef, result.intercept, loss=spec.loss, l2=spec.l2, comm=comm),

@@ -210,6 +210,7 @@ _FP16_LUT = get_format("fp16").lut()
 _GENERIC, _FAST_E4M3, _FAST_E5M2, _FAST_BF16, _FAST_FP16 = 0, 1, 2, 3, 4
 """Which kernel a driver runs: the generic one (constants as arguments) or a format's own."""
 _FAST_PARAMS = {_E4M3: _FAST_E4M3, _E5M2: _FAST_E5M2, _BF16: _FAST_BF16, _FP16: _FAST_FP16}
+_FAST_TABLES = ((_E4M3_LUT, _FAST_E4M3), (_E5M2_LUT, _FAST_E5M2), (_BF16_LUT, _FAST_BF16), (_FP16_LUT, _FAST_FP16))
 
 
 def _fast_id(params: tuple) -> int:
@@ -290,7 +291,6 @@ def _dec16_add_slice(buf, lut, out, tmp):
         part = tmp[: hi - lo]
         _dec16_slice(buf[2 * lo : 2 * hi], lut, part)
         _add_into(out[lo:hi], part)
-
 
 
 # ---- format-specific slice kernels (constants compiled in) -----------------------
@@ -429,6 +429,7 @@ def _dec16_fast_slice(buf16, out, add, f):
         _dec_fp16_add_slice(buf16, out)
     else:
         _dec_fp16_slice(buf16, out)
+
 
 # ---- parallel drivers ---------------------------------------------------------
 
@@ -717,7 +718,6 @@ def _nvfp4_decode(packed, scodes, sg, lut8, lut4, out):
 # Decoding expands the nibbles to one byte each, then scales whole blocks.
 
 
-
 @njit(inline="always")
 def _e2m1_value(code):
     """Return the float32 value of an E2M1 code (0..15), the same as its table entry."""
@@ -915,25 +915,10 @@ def _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, add) -> None:
 
 
 @_jit()
-def _add_slice(a, b, out):
-    for i in range(out.size):
-        out[i] = a[i] + b[i]
-
-
-@_jit()
 def _residual_slice(y, d, r):
     for i in range(r.size):
         v = y[i] - d[i]
         r[i] = v if _I(_bits(v) & _I(_ABS_MASK)) < _I(_INF_BITS) else np.float32(0.0)
-
-
-@_jit(parallel=True)
-def _add(a, b, out):
-    n = out.size
-    for c in prange((n + _CHUNK - 1) // _CHUNK):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, n)
-        _add_slice(a[lo:hi], b[lo:hi], out[lo:hi])
 
 
 @_jit(parallel=True)
@@ -950,8 +935,7 @@ def _residual(y, d, r):
 
 def add_into(a, b, out) -> None:
     """Write ``a + b`` into ``out`` (float32 vectors of one length; ``out`` may be ``a`` or ``b``)."""
-    _use_threads()
-    _add(a, b, out)
+    np.add(a, b, out=out)
 
 
 def feedback_residual(y, decoded, out) -> None:
@@ -1001,9 +985,6 @@ def encode_blocks(x, out, scales, block, params, max_finite, floor, *, sr=False,
     _use_threads()
     p = _typed(params)
     _fp8_blocks(x, out, scales, block, p, np.float32(max_finite), np.float32(floor), sr, stream, _fast_id(p))
-
-
-_FAST_TABLES = ((_E4M3_LUT, _FAST_E4M3), (_E5M2_LUT, _FAST_E5M2), (_BF16_LUT, _FAST_BF16), (_FP16_LUT, _FAST_FP16))
 
 
 def _table_id(lut: np.ndarray) -> int:
