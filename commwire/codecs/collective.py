@@ -54,8 +54,8 @@ from . import _arrays
 from .base import Codec, Span
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_CHOICES", "TUNE_CALLS",
-           "SMALL_BYTES", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes", "has_device_kernels",
-           "device_space"]
+           "SMALL_BYTES", "last_wire_bytes", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes",
+           "has_device_kernels", "device_space"]
 
 PEER_CHOICES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10)
 """Payload bytes one rank sends one peer per pipeline segment, tried by the segment tuner.
@@ -676,9 +676,22 @@ def compressed_allreduce(
                          dummy)
 
 
+_last_call = threading.local()
+
+
+def last_wire_bytes() -> int:
+    """Return the bytes the calling thread's latest compressed all-reduce handed to MPI (0 before any).
+
+    Per thread: the counters are shared by every communicator and thread of the process, so a
+    difference of two counter snapshots also counts calls other threads made meanwhile.
+    """
+    return int(getattr(_last_call, "wire_sent", 0))
+
+
 def _account(comm: Communicator, codec: Codec, name: str | None, run: _Run, start: float, input_bytes: int) -> None:
     """Record one compressed all-reduce in the counters and the timeline."""
     end = _perf()
+    _last_call.wire_sent = run.wire_sent
     counters = comm.counters
     counters.record("compressed_allreduce", run.wire_sent, end - start, input_bytes=input_bytes)
     counters.record_codec(codec.spec, run.encoded_elems * 4, run.encoded_wire, run.encoded_elems)

@@ -169,15 +169,14 @@ def _reduce_bucket(comm: Communicator, state: DDPHookState, buffer: torch.Tensor
                    future: torch.futures.Future) -> None:
     """Run on the lane: average ``buffer`` in place (compressed if the state has a codec), complete ``future``."""
     try:
-        before = comm.counters.snapshot().get("compressed_allreduce", {}).get("bytes", 0)
-        if state.codec is None:
+        if state.codec is None or state.codec.lossless:
             comm.allreduce(buffer, "avg", out=buffer, name=key)
             sent = buffer.numel() * buffer.element_size()
         else:
-            from ..codecs.collective import compressed_allreduce
+            from ..codecs.collective import compressed_allreduce, last_wire_bytes
 
             compressed_allreduce(comm, buffer, "avg", codec=state.codec, out=buffer, name=key)
-            sent = comm.counters.snapshot().get("compressed_allreduce", {}).get("bytes", 0) - before
+            sent = last_wire_bytes()  # this call's alone: the shared counters also count other threads' calls
         state.bytes_sent += int(sent)
         state.input_bytes += buffer.numel() * buffer.element_size()
         future.set_result(buffer)

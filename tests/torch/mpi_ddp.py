@@ -78,7 +78,10 @@ def test_codec_none_equals_plain_ddp(bucket_cap_mb):
 @pytest.mark.parametrize("codec", ["bf16", "fp8-e4m3", "ef+fp8-e4m3", "ef+nvfp4"])
 def test_lossy_codecs_train_like_plain_ddp(codec):
     _, plain, _ = _train(None, steps=40)
+    before = commwire.world().counters.snapshot().get("compressed_allreduce", {}).get("bytes", 0)
     _, ours, state = _train(codec, steps=40)
+    # the hook counts each call's own bytes (per thread); nothing else ran: the counters agree
+    assert state.bytes_sent == commwire.world().counters.snapshot()["compressed_allreduce"]["bytes"] - before
     # the job's mean loss over one pass of the four batches, first and last
     plain_t, ours_t = (hvd.allreduce(torch.tensor(v, dtype=torch.float64), op=hvd.Average) for v in (plain, ours))
     first, last, plain_last = float(ours_t[:4].mean()), float(ours_t[-4:].mean()), float(plain_t[-4:].mean())
