@@ -250,3 +250,51 @@ def test_16bit_fast_paths_match_generic_kernels(name, offset):
             _kernels._decode16(fast, fmt.lut(), out_fast, add)
             _kernels._dec16(generic, fmt.lut(), out_generic, add)
             np.testing.assert_array_equal(bits(out_fast), bits(out_generic))
+
+
+# ---- threaded and serial drivers ------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["bf16", "fp8-e4m3", "fp8-e5m2:block=128", "nvfp4", "nvfp4:sr,seed=3",
+                                  "ef+fp8-e4m3", "hadamard+nvfp4"])
+def test_threaded_and_serial_kernels_give_the_same_bits(spec):
+    n = 16384 * 3 + 5  # several chunks: the threaded driver runs at 2 threads
+    x = data(n, seed=11)
+    wires, decoded = [], []
+    for threads in (1, 2):
+        codecs.set_threads(threads)
+        try:
+            c = codecs.get(spec)
+            wire = np.asarray(c.encode(x.copy(), key="t").data).copy()
+            out = c.decode_from(wire, n)
+        finally:
+            codecs.set_threads(None)
+        wires.append(wire)
+        decoded.append(out)
+    np.testing.assert_array_equal(wires[0], wires[1])
+    np.testing.assert_array_equal(bits(decoded[0]), bits(decoded[1]))
+
+
+def test_one_codec_thread_never_starts_numbas_thread_pool():
+    # An idle OpenMP worker spins: with several ranks per core it starved torch's compute
+    # (LoRDO + FP8 ran 7x slower). At one codec thread every kernel must run serially.
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, numba\n"
+        "from commwire import codecs\n"
+        f"specs = {SPECS!r}\n"
+        "x = np.random.default_rng(0).standard_normal(100003).astype(np.float32)\n"
+        "for spec in specs:\n"
+        "    c = codecs.get(spec)\n"
+        "    w = c.encode(x.copy(), key='k').data\n"
+        "    c.decode_add(w, x.size, c.decode_from(w, x.size))\n"
+        "try:\n"
+        "    print('pool started:', numba.threading_layer())\n"
+        "except ValueError:\n"
+        "    print('no pool')\n"
+    )
+    env = {**__import__("os").environ, "COMMWIRE_CODEC_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no pool", done.stdout
