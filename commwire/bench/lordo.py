@@ -14,7 +14,9 @@ averaged gradient, DiLoCo and LoRDO their local one. Arms (``ARMS``):
 - extra LoRDO variants, off by default: ``lordo-broadcast`` (QH denominator
   broadcast instead of scalar), ``lordo-ef-none``, ``lordo-ef-lowrank``
   (optimizer state O(r(m+n))), ``lordo-warmup`` (the authors' DDP warm-up,
-  then betas (0.999, 0.999), moments reset, LR × 0.5).
+  then betas (0.999, 0.999), moments reset, LR × 0.5), ``lordo-fp8-k4`` /
+  ``lordo-fp8-k8`` (LoRDO syncing 4× / 2× as often with ef+FP8 pseudo-gradients,
+  without / with bf16 moments: about the bytes of K=16 in FP32).
 
 Each arm runs every LR of the grid with every seed (seed = initial weights and
 data order); its best LR is the one with the lowest validation loss averaged
@@ -68,6 +70,12 @@ ARMS = {
     "lordo-ef-lowrank": Arm("LoRDO, rank-r EF", "lordo", {"error_feedback": "lowrank"}),
     "lordo-warmup": Arm("LoRDO, DDP warm-up + switch", "lordo",
                         {"switch_betas": (0.999, 0.999), "switch_reset_moments": True, "switch_lr_scale": 0.5}),
+    # LoRDO with commwire's codecs on the wire: FP8 pseudo-gradients (error feedback across syncs) buy
+    # more frequent syncs for the same bytes. K is the arm's own; every other setting is the setup's.
+    "lordo-fp8-k4": Arm("LoRDO K=4, ef+FP8 Δ, no state sync", "lordo",
+                        {"sync_every": 4, "codec": "ef+fp8-e4m3", "sync_states": ()}),
+    "lordo-fp8-k8": Arm("LoRDO K=8, ef+FP8 Δ, bf16 moments", "lordo",
+                        {"sync_every": 8, "codec": "ef+fp8-e4m3", "state_codec": "bf16"}),
 }
 DEFAULT_ARMS = ("ddp", "lowrank-ddp", "lordo", "lordo-omega1", "diloco")
 LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)
@@ -100,7 +108,8 @@ class Setup:
     lordo_outer_lr: float = 1.0
     """LoRDO's outer step: plain averaging, as lordo.md (a Nesterov 0.7/0.9 step measured slightly worse)."""
     lordo_outer_momentum: float = 0.0
-    sync_states: tuple[str, ...] = ()
+    sync_states: tuple[str, ...] = ("moments",)
+    """LoRDO states averaged at a sync: the optimizer's default (low-rank moments, as the authors' runs)."""
     warmup_steps: int = 32
     """DDP warm-up of the lordo-warmup arm (a multiple of sync_every)."""
     threads: int = 1
@@ -138,10 +147,11 @@ def build_optimizer(arm: Arm, model: Any, lr: float, setup: Setup) -> Any:
         return hvd.DistributedOptimizer(inner, named_parameters=named)
     if arm.family == "diloco":
         return hvd.DiLoCo(named, sync_every=setup.sync_every, **outer, **adam)
-    options = {"omega": setup.omega, "clip": setup.clip, "sync_states": setup.sync_states, **arm.options}
+    options = {"omega": setup.omega, "clip": setup.clip, "sync_states": setup.sync_states,
+               "sync_every": setup.sync_every, **arm.options}
     if "switch_betas" in options:
         options["warmup_steps"] = setup.warmup_steps
-    return hvd.LoRDO(named, rank=setup.rank, sync_every=setup.sync_every, **{**lordo_outer, **adam, **options})
+    return hvd.LoRDO(named, rank=setup.rank, **{**lordo_outer, **adam, **options})
 
 
 def optimizer_step(arm: Arm, opt: Any, params: list[Any], clip: float) -> None:
@@ -428,7 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
                        help=f"default {QUICK.get(name, value)} with --quick, else {value}" if name in QUICK
                        else f"default {value}")
-    p.add_argument("--sync-states", default="", help="LoRDO states averaged at a sync, e.g. moments")
+    p.add_argument("--sync-states", default="moments", help="LoRDO states averaged at a sync (default moments, "
+                   "LoRDO's own default; '' for none; moments,error_feedback adds the full EF buffers)")
     p.add_argument("--json", help="write every run's row (and the setup) to this JSON file as the sweep goes")
     p.add_argument("--out", help="also write the Markdown report to this file")
     p.add_argument("--report", nargs="+", metavar="JSON",
