@@ -76,6 +76,10 @@ ARMS = {
                         {"sync_every": 4, "codec": "ef+fp8-e4m3", "sync_states": ()}),
     "lordo-fp8-k8": Arm("LoRDO K=8, ef+FP8 Δ, bf16 moments", "lordo",
                         {"sync_every": 8, "codec": "ef+fp8-e4m3", "state_codec": "bf16"}),
+    # E5M2 for the moments: the second moment spans many binades, and E4M3's narrower range would
+    # flush its small entries (then m/√v blows up).
+    "lordo-fp8-k4-fp8m": Arm("LoRDO K=4, ef+FP8 Δ, E5M2 moments", "lordo",
+                             {"sync_every": 4, "codec": "ef+fp8-e4m3", "state_codec": "fp8-e5m2"}),
 }
 DEFAULT_ARMS = ("ddp", "lowrank-ddp", "lordo", "lordo-omega1", "diloco")
 LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)

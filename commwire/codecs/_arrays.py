@@ -55,15 +55,19 @@ def check_float(x: Any, spec: str) -> None:
         )
 
 
+_kernel_modules: dict[str, ModuleType] = {}
+
+
 def kernels(kind: str) -> ModuleType:
     """Return the kernel module for an array kind (cupy runs through torch)."""
-    if kind == "numpy":
-        from . import _kernels
-
-        return _kernels
-    from . import _torch_kernels
-
-    return _torch_kernels
+    module = _kernel_modules.get(kind)  # every codec call asks: skip the import machinery
+    if module is None:
+        if kind == "numpy":
+            from . import _kernels as module
+        else:
+            from . import _torch_kernels as module
+        _kernel_modules[kind] = module
+    return module
 
 
 def _torch():

@@ -39,6 +39,7 @@ Thread count: ``commwire.codecs.set_threads`` (see ``_threads``).
 from __future__ import annotations
 
 import functools
+import threading
 import types
 
 import numba
@@ -58,7 +59,14 @@ _U = np.uint64
 
 
 def _jit(**options):
-    """Compile with an on-disk cache, or without one where no cache dir is writable."""
+    """Compile with an on-disk cache, or without one where no cache dir is writable.
+
+    Every kernel releases the GIL (``nogil``): the lanes that run compressed
+    all-reduces encode and decode while the training thread runs Python (the
+    autograd hooks that hand buckets over, the DDP reducer's comm hook), instead
+    of stalling it for the length of each kernel.
+    """
+    options.setdefault("nogil", True)
 
     def decorate(fn):
         try:
@@ -94,16 +102,23 @@ class _Driver:
         return (self.parallel if _parallel(args[0].size) else self.serial)(*args)
 
 
+_numba_threads = threading.local()
+
+
 def _parallel(n: int) -> bool:
     """Return True (after setting numba's thread count) when ``n`` elements should use several threads.
 
     One thread, or a single chunk of work, runs a serial driver instead: the
     result is the same (chunks are fixed-size), without a parallel launch.
     """
-    threads = min(get_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads < 2 or n <= _CHUNK:
+    if n <= _CHUNK:
         return False
-    numba.set_num_threads(threads)
+    threads = min(get_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads < 2:
+        return False
+    if getattr(_numba_threads, "n", None) != threads:  # numba's setting is per calling thread
+        numba.set_num_threads(threads)
+        _numba_threads.n = threads
     return True
 
 
@@ -939,7 +954,7 @@ def _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, add) -> None:
 def _residual_slice(y, d, r):
     for i in range(r.size):
         v = y[i] - d[i]
-        r[i] = v if _I(_bits(v) & _I(_ABS_MASK)) < _I(_INF_BITS) else np.float32(0.0)
+        r[i] = v if abs(v) < np.float32(np.inf) else np.float32(0.0)  # NaN and ±Inf fail the test
 
 
 @_Driver
@@ -949,6 +964,56 @@ def _residual(y, d, r):
         lo = c * _CHUNK
         hi = min(lo + _CHUNK, n)
         _residual_slice(y[lo:hi], d[lo:hi], r[lo:hi])
+
+
+@_jit()
+def _add_amax_slice(x, r, y):
+    """Write y = x + r; return the largest finite |y| as int32 bits (as ``_amax_slice``'s first)."""
+    m = np.int32(0)
+    for i in range(y.size):
+        v = x[i] + r[i]
+        y[i] = v
+        a = _I(_bits(v) & _I(_ABS_MASK))
+        m = max(m, a if a < _I(_INF_BITS) else _I(0))
+    return m
+
+
+@_Driver
+def _add_amax(x, r, y, res):
+    n = y.size
+    for c in prange(res.size):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        res[c] = _add_amax_slice(x[lo:hi], r[lo:hi], y[lo:hi])
+
+
+@_jit()
+def _ef_e4m3_slice(y, codes, r, scale):
+    for i in range(y.size):
+        v = y[i] - _code_value(_I(codes[i]), _E4M3, _E4M3_SUB, _I(0x80), _E4M3_INF, _E4M3_NAN) * scale
+        r[i] = v if abs(v) < np.float32(np.inf) else np.float32(0.0)
+
+
+@_jit()
+def _ef_e5m2_slice(y, codes, r, scale):
+    for i in range(y.size):
+        v = y[i] - _code_value(_I(codes[i]), _E5M2, _E5M2_SUB, _I(0x80), _E5M2_INF, _E5M2_NAN) * scale
+        r[i] = v if abs(v) < np.float32(np.inf) else np.float32(0.0)
+
+
+@_Driver
+def _fp8_feedback(y, out, r, inv, scale, f):
+    # Per chunk while it is in cache: the codes (the encoder's loop), then one loop for
+    # y - decoded value, the new residual (two simple loops vectorise; one fused loop did not).
+    n = y.size
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        _enc8_fast_slice(y[lo:hi], out[lo:hi], inv, f)
+        if f == _FAST_E4M3:
+            _ef_e4m3_slice(y[lo:hi], out[lo:hi], r[lo:hi], scale)
+        else:
+            _ef_e5m2_slice(y[lo:hi], out[lo:hi], r[lo:hi], scale)
 
 
 # ---- backend API (same names and signatures as _torch_kernels) ----------------
@@ -997,6 +1062,25 @@ def encode_scaled(x, out, scale, params, *, sr=False, stream=0) -> None:
     inv = np.float32(1.0) / np.float32(scale)
     p = _typed(params)
     _fp8_tensor(x, out, inv, p, sr, stream, _fast_id(p))
+
+
+def feedback_encode_scaled(x, residual, y, out, params, max_finite, floor):
+    """Error feedback around per-tensor FP8 in two passes; return the scale, or None where not fused.
+
+    Writes ``y = x + residual``, the codes of ``y`` (scale from its largest finite
+    magnitude, as :func:`tensor_scale` and :func:`encode_scaled`) into ``out``, and
+    ``residual = y - decoded`` (non-finite as 0): the bits of add_into, amax,
+    encode_scaled, decode_blocks and feedback_residual in turn, without their five
+    passes and calls. Only the E4M3/E5M2 fast kernels are fused (else None, nothing written).
+    """
+    f = _fast_id(_typed(params))
+    if f not in (_FAST_E4M3, _FAST_E5M2):
+        return None
+    res = np.zeros(max(1, (y.size + _CHUNK - 1) // _CHUNK), np.int32)
+    _add_amax(x, residual, y, res)
+    scale = tensor_scale(res.max().view(np.float32), max_finite, floor)
+    _fp8_feedback(y, out, residual, np.float32(1.0) / np.float32(scale), np.float32(scale), f)
+    return scale
 
 
 def encode_blocks(x, out, scales, block, params, max_finite, floor, *, sr=False, stream=0) -> None:

@@ -22,6 +22,8 @@ import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
+
 from . import _arrays
 from .base import Codec, next_stream
 from .formats import get_format
@@ -98,6 +100,25 @@ class Fp8Codec(Codec):
             scales = k.tensor_scale(k.amax(x), fmt.max_finite, SCALE_FLOOR)
             k.encode_scaled(x, out[:n], scales, fmt.kernel_params(), sr=sr, stream=stream)
         k.put_f32(out[n:], scales)
+
+    def _encode_feedback(self, x: Any, residual: Any, y: Any, out: Any) -> bool:
+        """Encode ``y = x + residual`` into ``out``, leave ``residual = y - decoded``; False if not fused.
+
+        Error feedback's fused path (``feedback.ErrorFeedback``): the same bits as
+        encode, decode and subtract, in two passes. Per-tensor scale, round to
+        nearest, numpy arrays only; anything else returns False with nothing written.
+        """
+        c = self.config
+        if c.block or c.rounding == "sr" or not isinstance(x, np.ndarray):
+            return False
+        n = int(x.shape[0])
+        k = _arrays.kernels("numpy")
+        scale = k.feedback_encode_scaled(x, residual, y, out[:n], self.format.kernel_params(), self.format.max_finite,
+                                         SCALE_FLOOR)
+        if scale is None:
+            return False
+        k.put_f32(out[n:], scale)
+        return True
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
         k = _arrays.kernels(_arrays.kind_of(buf))

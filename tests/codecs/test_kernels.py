@@ -298,3 +298,30 @@ def test_one_codec_thread_never_starts_numbas_thread_pool():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "no pool", done.stdout
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", ["ef+fp8-e4m3", "ef+fp8-e5m2"])
+def test_fused_error_feedback_matches_encode_decode_subtract(spec, threads):
+    # The fused FP8 path must give the unfused path's bits (wire and residual), and the
+    # residual must be (x + previous residual) - decoded, non-finite as 0, from numpy.
+    n = 16384 * 2 + 17
+    codecs.set_threads(threads)
+    try:
+        fused, plain = codecs.get(spec), codecs.get(spec)
+        plain.codec._encode_feedback = lambda *args: False  # the reference: encode, decode, subtract
+        previous = np.zeros(n, np.float32)
+        for step, x in enumerate(hard_inputs(n, seed=5)):
+            w_fused, w_plain = fused.encode(x, key="t").data, plain.encode(x, key="t").data
+            np.testing.assert_array_equal(np.asarray(w_fused), np.asarray(w_plain))
+            r_fused, r_plain = fused.residual("t"), plain.residual("t")
+            np.testing.assert_array_equal(bits(r_fused), bits(r_plain))
+            y = x + previous if step else x
+            with np.errstate(invalid="ignore", over="ignore"):
+                expected = y - fused.decode_from(np.asarray(w_fused), n)
+            expected[~np.isfinite(expected)] = 0
+            np.testing.assert_array_equal(bits(r_fused), bits(expected))
+            assert np.isfinite(r_fused).all() and np.abs(r_fused).max() > 0
+            previous = r_fused.copy()
+    finally:
+        codecs.set_threads(None)
