@@ -177,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                              "a temporary directory")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.np.split(",") if v.strip()]
+    if args.suite:
+        import importlib.util
+
+        # Horovod's test/utils/common.py imports these; without them every rank's collection
+        # fails, which reads like a commwire failure.
+        missing = [m for m in ("mock", "pytest") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SystemExit(f"Horovod's test helpers need {', '.join(missing)}: pip install {' '.join(missing)}")
     results: dict = {"suites": [], "examples": []}
     with tempfile.TemporaryDirectory(prefix="cw-horovod-") as tmp:
         work = Path(tmp)
