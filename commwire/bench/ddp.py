@@ -107,7 +107,7 @@ def _register(label: str, ddp: Any, model: Any) -> Any:
 
 def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, layers: int = 3, batch: int = 8,
                   context: int = 64, steps: int = 10, rounds: int = 3, lr: float = 3e-3, threads: int = 1,
-                  seed: int = 0) -> list[dict[str, Any]]:
+                  seed: int = 0, bucket_mb: float = 25.0) -> list[dict[str, Any]]:
     """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -131,7 +131,7 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
     runners: list[tuple[str, Callable[[int], None], Any, Any, dict[str, int]]] = []
     for label in configs:
         model = make_lm(cfg, seed=seed)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         state = _register(label, ddp, model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
         counted = {"bytes": 0}
@@ -238,18 +238,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--seeds", type=int, default=1, help="run everything with seeds 0..N-1 (default 1)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="DDP's bucket_cap_mb for every configuration (default 25, DDP's own): smaller "
+                             "buckets start communicating earlier in backward")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
         parser.error(f"--configs {bad or args.configs!r}: choose from {', '.join(CONFIGS)}")
+    if args.bucket_mb <= 0:
+        parser.error(f"--bucket-mb {args.bucket_mb:g}: give DDP's bucket size in MB, > 0 (DDP's default: 25)")
     if min(args.d_model, args.layers, args.batch, args.context, args.steps, args.rounds, args.seeds) < 1 \
             or args.d_model % 4:
         parser.error("--d-model (a multiple of 4), --layers, --batch, --context, --steps, --rounds and --seeds "
                      "must be >= 1")
     rows = over_seeds([run_ddp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
-                                     context=args.context, steps=args.steps, rounds=args.rounds, seed=seed)
+                                     context=args.context, steps=args.steps, rounds=args.rounds, seed=seed,
+                                     bucket_mb=args.bucket_mb)
                        for seed in range(args.seeds)])
     from ..comm.runtime import world
 

@@ -200,24 +200,28 @@ _HOST = _HostSpace()
 class _Segment:
     """Buffers and bookkeeping of one pipeline segment."""
 
-    __slots__ = ("start", "counts", "wire", "offsets", "send", "recv", "gathered", "h_send", "h_recv", "h_gathered")
+    __slots__ = ("start", "counts", "wire", "offsets", "total", "chunks", "send", "recv", "gathered", "h_send",
+                 "h_recv", "h_gathered")
 
     def __init__(self, codec: Codec, start: int, stop: int, size: int, rank: int, space: _HostSpace) -> None:
+        # Plain ints and slices, worked out once: a call walks every segment, and numpy scalar
+        # arithmetic per segment and peer cost more than the small segments' kernels.
         m = stop - start
         blocks = split_rows(-(-m // _ALIGN), size)
-        edges = np.minimum(np.concatenate(([0], np.cumsum(blocks) * _ALIGN)), m)
+        edges = [min(int(e), m) for e in np.concatenate(([0], np.cumsum(blocks) * _ALIGN))]
         self.start = start
-        self.counts = np.diff(edges)  # whole blocks per rank; the segment's tail lands in the last non-empty chunk
-        self.wire = np.array([codec.wire_nbytes(int(c)) for c in self.counts], dtype=np.int64)
-        self.offsets = np.concatenate(([0], np.cumsum(self.wire)[:-1]))
-        total, mine = int(self.wire.sum()), int(self.wire[rank]) * size
-        self.send, self.h_send = space.empty_u8(total), space.mirror(total)
+        self.counts = [b - a for a, b in zip(edges, edges[1:])]  # whole blocks per rank; the tail: last non-empty
+        self.chunks = [slice(start + a, start + b) for a, b in zip(edges, edges[1:])]
+        self.wire = [int(codec.wire_nbytes(c)) for c in self.counts]
+        self.offsets = [int(o) for o in np.concatenate(([0], np.cumsum(self.wire)[:-1]))]
+        self.total = sum(self.wire)
+        mine = self.wire[rank] * size
+        self.send, self.h_send = space.empty_u8(self.total), space.mirror(self.total)
         self.recv, self.h_recv = space.empty_u8(mine), space.mirror(mine)
-        self.gathered, self.h_gathered = space.empty_u8(total), space.mirror(total)
+        self.gathered, self.h_gathered = space.empty_u8(self.total), space.mirror(self.total)
 
     def chunk(self, i: int) -> slice:
-        lo = self.start + int(self.counts[:i].sum())
-        return slice(lo, lo + int(self.counts[i]))
+        return self.chunks[i]
 
 
 def segment_bytes_at(wire_ratio: float, size: int, peer_bytes: int) -> int:
@@ -406,7 +410,10 @@ class _Run:
             out[...] = 0  # dry runs use host buffers
             return
         t = _perf()
-        self.codec.encode_into(x, out, key=key)
+        # The codec's kernel entry points, not encode_into / decode_from / decode_add: the plan
+        # made every slice and buffer (flat contiguous float32, exact wire sizes), and their
+        # checks cost tens of µs a call, several calls per segment.
+        self.codec._encode(x, out, key)
         self.times["encode"] += _perf() - t
         self.encoded_elems += int(x.shape[0])
         self.encoded_wire += int(out.shape[0])
@@ -416,7 +423,7 @@ class _Run:
         if self.dry:
             return
         t = _perf()
-        self.codec.decode_from(buf, n, out=out)
+        self.codec._decode(buf, n, out)
         self.times["decode"] += _perf() - t
         self._progress()
 
@@ -424,7 +431,7 @@ class _Run:
         if self.dry:
             return
         t = _perf()
-        self.codec.decode_add(buf, n, out)
+        self.codec._decode_add(buf, n, out)
         self.times["decode"] += _perf() - t
         self._progress()
 
@@ -459,47 +466,46 @@ class _Run:
             # to 64 KiB (max_saved_size); a longer one stalls its connection until the
             # receive is posted, costing ms per call when the receiver is busy encoding.
             seg = segs[i]
-            w = int(seg.wire[rank])
+            w = seg.wire[rank]
             recvs[i, 0] = self._start([mpi.Irecv(sp.incoming(seg.recv, seg.h_recv, r * w, (r + 1) * w),
                                                  source=r, tag=_tag(i, 0)) for r in peers])
-            recvs[i, 1] = self._start([mpi.Irecv(sp.incoming(seg.gathered, seg.h_gathered, int(seg.offsets[r]),
-                                                             int(seg.offsets[r] + seg.wire[r])),
+            recvs[i, 1] = self._start([mpi.Irecv(sp.incoming(seg.gathered, seg.h_gathered, seg.offsets[r],
+                                                             seg.offsets[r] + seg.wire[r]),
                                                  source=r, tag=_tag(i, 1)) for r in peers])
 
         def start_exchange(i: int) -> None:
             seg = segs[i]
             for r in peers:  # this rank reduces its own chunk from the FP32 input: nothing to encode
-                o = int(seg.offsets[r])
-                self._encode(flat[seg.chunk(r)], seg.send[o:o + int(seg.wire[r])],
-                             Span((self.key, "w"), seg.chunk(r).start, n))
+                o, part = seg.offsets[r], seg.chunks[r]
+                self._encode(flat[part], seg.send[o:o + seg.wire[r]], Span((self.key, "w"), part.start, n))
             sp.ready()
             reqs = []
             for r in peers:
-                o = int(seg.offsets[r])
-                reqs += self._start([mpi.Isend(sp.outgoing(seg.send, seg.h_send, o, o + int(seg.wire[r])), dest=r,
+                o = seg.offsets[r]
+                reqs += self._start([mpi.Isend(sp.outgoing(seg.send, seg.h_send, o, o + seg.wire[r]), dest=r,
                                                tag=_tag(i, 0))])
             sends[i, 0] = reqs
             # Counted like a plain all-reduce's message: this rank's encoded tensor
             # (the re-encoded chunk of the gather phase adds 1/P of it on the wire).
-            self.wire_sent += int(seg.wire.sum())
+            self.wire_sent += seg.total
 
         def reduce_and_gather(i: int) -> None:
             seg = segs[i]
             self._wait(recvs.pop((i, 0)) + sends.pop((i, 0)))
-            m, w = int(seg.counts[rank]), int(seg.wire[rank])
+            m, w = seg.counts[rank], seg.wire[rank]
             sp.arrived(seg.recv, seg.h_recv, 0, w * size)
             total = acc[:m]
             # The sum starts from this rank's own chunk in FP32 (the input is not yet
             # overwritten: segment i is written back in finish(i)), then adds the others
             # in rank order, each decoded and added in one pass.
-            sp.copy(total, flat[seg.chunk(rank)])
+            sp.copy(total, flat[seg.chunks[rank]])
             for r in range(size):
                 if r != rank:
                     self._decode_add(seg.recv[r * w:(r + 1) * w], m, total)
             if self.average:
                 sp.scale(total, 1.0 / size)
-            o = int(seg.offsets[rank])
-            self._encode(total, seg.gathered[o:o + w], Span((self.key, "s"), seg.chunk(rank).start, n))
+            o = seg.offsets[rank]
+            self._encode(total, seg.gathered[o:o + w], Span((self.key, "s"), seg.chunks[rank].start, n))
             # The gather sends the chunk straight to every rank rather than by an
             # all-gather: MPICH's ring and recursive doubling forward chunks through
             # other ranks, each of which must be inside MPI to pass them on.
@@ -510,10 +516,10 @@ class _Run:
         def finish(i: int) -> None:
             seg = segs[i]
             self._wait(recvs.pop((i, 1)) + sends.pop((i, 1)))
-            sp.arrived(seg.gathered, seg.h_gathered, 0, int(seg.wire.sum()))
+            sp.arrived(seg.gathered, seg.h_gathered, 0, seg.total)
             for r in range(size):
-                o = int(seg.offsets[r])
-                self._decode(seg.gathered[o:o + int(seg.wire[r])], int(seg.counts[r]), result[seg.chunk(r)])
+                o = seg.offsets[r]
+                self._decode(seg.gathered[o:o + seg.wire[r]], seg.counts[r], result[seg.chunks[r]])
 
         # Order matters when `result` is the input's own memory (in place): segment
         # i-1 is written back only after segments up to i+1 have been encoded.

@@ -33,7 +33,8 @@ def test_bench_combines_seeds_and_checks_each_hook_against_ddps_range():
 
 
 def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
-    # A tiny model through the real benchmark on 2 ranks: commwire's uncompressed hook trains
+    # A tiny model through the real benchmark on 2 ranks (20 kB buckets: several per step, each its
+    # own residual key): commwire's uncompressed hook trains
     # exactly like DDP's built-in all-reduce and sends its FP32 bytes; FP8 sends about a quarter
     # (its block scales on top); the no-communication floor sends nothing.
     import json
@@ -42,7 +43,7 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
 
     out = tmp_path / "rows.json"
     proc = run_mpi(2, ["-m", "commwire.bench.ddp", "--d-model", "32", "--layers", "1", "--batch", "2",
-                       "--context", "8", "--steps", "2", "--rounds", "1", "--json", str(out),
+                       "--context", "8", "--steps", "2", "--rounds", "1", "--json", str(out), "--bucket-mb", "0.02",
                        "--configs", "ddp,commwire none,commwire fp8-e4m3,no communication"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
@@ -53,3 +54,12 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
     assert 0.25 <= rows["commwire fp8-e4m3"]["bytes_vs_fp32"] < 0.3
     assert rows["no communication"]["MB_per_step"] == 0
     assert all(r["step_ms"] > 0 and 0 < r["val_loss"] < 10 for r in rows.values())
+
+
+def test_bench_refuses_a_bucket_size_that_is_not_positive():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "commwire.bench.ddp", "--bucket-mb", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "--bucket-mb 0" in done.stderr and "> 0" in done.stderr, done.stderr
