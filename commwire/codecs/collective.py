@@ -220,9 +220,6 @@ class _Segment:
         self.recv, self.h_recv = space.empty_u8(mine), space.mirror(mine)
         self.gathered, self.h_gathered = space.empty_u8(self.total), space.mirror(self.total)
 
-    def chunk(self, i: int) -> slice:
-        return self.chunks[i]
-
 
 def segment_bytes_at(wire_ratio: float, size: int, peer_bytes: int) -> int:
     """Return the FP32 bytes per pipeline segment that send ``peer_bytes`` to each of ``size`` ranks
