@@ -16,7 +16,9 @@ averaged gradient, DiLoCo and LoRDO their local one. Arms (``ARMS``):
   (optimizer state O(r(m+n))), ``lordo-warmup`` (the authors' DDP warm-up,
   then betas (0.999, 0.999), moments reset, LR × 0.5), ``lordo-fp8-k4`` /
   ``lordo-fp8-k8`` (LoRDO syncing 4× / 2× as often with ef+FP8 pseudo-gradients,
-  without / with bf16 moments: about the bytes of K=16 in FP32).
+  without / with bf16 moments: about the bytes of K=16 in FP32), and the
+  diagnostic ``lordo-k1`` (LoRDO syncing every step: what is left of its gap
+  to low-rank DDP without local steps).
 
 Each arm runs every LR of the grid with every seed (seed = initial weights and
 data order); its best LR is the one with the lowest validation loss averaged
@@ -80,6 +82,9 @@ ARMS = {
     # flush its small entries (then m/√v blows up).
     "lordo-fp8-k4-fp8m": Arm("LoRDO K=4, ef+FP8 Δ, E5M2 moments", "lordo",
                              {"sync_every": 4, "codec": "ef+fp8-e4m3", "state_codec": "fp8-e5m2"}),
+    # A diagnostic, not a candidate (it syncs every step): what is left of LoRDO's gap to low-rank DDP
+    # without local steps is its update rule and its basis from Δ, not locality.
+    "lordo-k1": Arm("LoRDO K=1 (diagnostic)", "lordo", {"sync_every": 1}),
 }
 DEFAULT_ARMS = ("ddp", "lowrank-ddp", "lordo", "lordo-omega1", "diloco")
 LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)

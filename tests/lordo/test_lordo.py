@@ -638,9 +638,11 @@ def test_report_merges_sweeps_that_extend_the_grid_and_refuses_mixed_setups(tmp_
 def test_bench_runs_one_tiny_sweep_in_process(capsys):
     from commwire.bench import lordo as bench
 
-    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup", "--lrs", "4e-3", "--seeds", "1", "--steps", "16"])
+    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup,lordo-k1", "--lrs", "4e-3", "--seeds", "1",
+                "--steps", "16"])
     out = capsys.readouterr().out
     assert "| LoRDO |" in out and "| DDP-Adam |" in out and "Acceptance" in out
+    assert "| LoRDO K=1 (diagnostic) |" in out
 
 
 def test_bench_cli_refuses_bad_arguments():
