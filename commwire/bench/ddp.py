@@ -8,7 +8,8 @@ gloo; only the communication hook differs:
 - ``ddp bf16``: DDP's own ``bf16_compress_hook`` (its implementation, called under another name:
   DDP refuses that name without NCCL, though gloo reduces bfloat16 on the CPU);
 - ``ddp powersgd r1`` / ``r4``: DDP's PowerSGD hook at its default rank (1) and
-  at rank 4 (low-rank after 2 warm-up steps, with its error feedback);
+  at rank 4 (low-rank after 2 warm-up steps, with its error feedback; buckets
+  chained, see ``_ordered_powersgd``: over gloo the unchained hook can hang);
 - ``commwire <codec>``: ``commwire.torch.ddp_hook(codec)`` (none, bf16, FP8,
   NVFP4, error feedback);
 - ``no communication``: the same steps under ``ddp.no_sync()`` — each rank
@@ -75,6 +76,53 @@ def _torch_bf16_hook(process_group, bucket):  # type: ignore[no-untyped-def] # a
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
 
+def _ordered_powersgd() -> Any:
+    """Return DDP's PowerSGD hook (torch's implementation) with each bucket started after the previous one is done.
+
+    PowerSGD issues a bucket's second and third all-reduces (Ps, then Qs) from the
+    callback of the one before, on gloo's callback threads. With two buckets in flight
+    those calls race, ranks can issue them in different orders, gloo pairs mismatched
+    collectives and every rank waits forever: on 4 ranks and the 7.2 M-parameter model
+    (two buckets) every run hung at the first compressed step, stacks in compute_qs and
+    in unpack_uncompressed_tensors_and_allreduce_ps. Chaining the buckets gives every
+    rank one order, as a single communication stream (NCCL's) would.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    chain: dict[str, Any] = {"last": None}
+
+    def ordered_powersgd(state, bucket):  # type: ignore[no-untyped-def] # annotated below, for DDP's check
+        prev, out = chain["last"], torch.futures.Future()
+
+        def start(_: Any) -> None:
+            try:
+                inner = powerSGD_hook.powerSGD_hook(state, bucket)
+            except Exception as exc:  # noqa: BLE001 - reaches DDP through the future, not a thread's log
+                out.set_exception(exc)
+                return
+
+            def done(f: Any) -> None:
+                try:
+                    out.set_result(f.value())
+                except Exception as exc:  # noqa: BLE001
+                    out.set_exception(exc)
+
+            inner.add_done_callback(done)
+
+        if prev is None:
+            start(None)
+        else:
+            prev.add_done_callback(start)  # runs at once when the previous bucket is already done
+        chain["last"] = out
+        return out
+
+    ordered_powersgd.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                                        "return": torch.futures.Future[torch.Tensor]}
+    return ordered_powersgd
+
+
 def _annotate_bf16() -> None:
     import torch
     import torch.distributed as dist
@@ -98,7 +146,7 @@ def _register(label: str, ddp: Any, model: Any) -> Any:
     if label.startswith("ddp powersgd"):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(label[-1]),
                                             start_powerSGD_iter=2, min_compression_rate=0.5)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(state, _ordered_powersgd())
         return None
     state, hook = hvd.ddp_hook(label.split(" ", 1)[1], model=model)
     ddp.register_comm_hook(state, hook)

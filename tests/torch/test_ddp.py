@@ -44,7 +44,8 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
     out = tmp_path / "rows.json"
     proc = run_mpi(2, ["-m", "commwire.bench.ddp", "--d-model", "32", "--layers", "1", "--batch", "2",
                        "--context", "8", "--steps", "2", "--rounds", "1", "--json", str(out), "--bucket-mb", "0.02",
-                       "--configs", "ddp,commwire none,commwire fp8-e4m3,no communication"], timeout=300)
+                       "--configs", "ddp,commwire none,commwire fp8-e4m3,ddp powersgd r1,no communication"],
+                   timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
     fp32 = rows["ddp"]["MB_per_step"]
@@ -53,6 +54,9 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
     assert rows["commwire none"]["val_loss"] == pytest.approx(rows["ddp"]["val_loss"], rel=1e-5)
     assert 0.25 <= rows["commwire fp8-e4m3"]["bytes_vs_fp32"] < 0.3
     assert rows["no communication"]["MB_per_step"] == 0
+    # DDP's PowerSGD over many buckets (its buckets chained: unchained they can hang, see
+    # commwire.bench.ddp._ordered_powersgd) compresses the matrices at rank 1.
+    assert rows["ddp powersgd r1"]["bytes_vs_fp32"] < 0.5
     assert all(r["step_ms"] > 0 and 0 < r["val_loss"] < 10 for r in rows.values())
 
 
