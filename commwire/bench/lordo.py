@@ -82,8 +82,8 @@ ARMS = {
     # flush its small entries (then m/√v blows up).
     "lordo-fp8-k4-fp8m": Arm("LoRDO K=4, ef+FP8 Δ, E5M2 moments", "lordo",
                              {"sync_every": 4, "codec": "ef+fp8-e4m3", "state_codec": "fp8-e5m2"}),
-    # A diagnostic, not a candidate (it syncs every step): what is left of LoRDO's gap to low-rank DDP
-    # without local steps is its update rule and its basis from Δ, not locality.
+    # A diagnostic, not a candidate (it syncs every step): how much of LoRDO's gap to low-rank DDP is
+    # locality (measured: none of it; see the README's LoRDO row).
     "lordo-k1": Arm("LoRDO K=1 (diagnostic)", "lordo", {"sync_every": 1}),
 }
 DEFAULT_ARMS = ("ddp", "lowrank-ddp", "lordo", "lordo-omega1", "diloco")
