@@ -17,8 +17,10 @@ averaged gradient, DiLoCo and LoRDO their local one. Arms (``ARMS``):
   then betas (0.999, 0.999), moments reset, LR × 0.5), ``lordo-fp8-k4`` /
   ``lordo-fp8-k8`` (LoRDO syncing 4× / 2× as often with ef+FP8 pseudo-gradients,
   without / with bf16 moments: about the bytes of K=16 in FP32), and the
-  diagnostic ``lordo-k1`` (LoRDO syncing every step: what is left of its gap
-  to low-rank DDP without local steps).
+  diagnostics ``lordo-k1`` (LoRDO syncing every step: what is left of its gap
+  to low-rank DDP without local steps) and ``lordo-ddp`` (LoRDO's optimizer fed
+  DDP's averaged gradient every step: its gap to low-rank DDP without separate
+  per-rank optimizer states).
 
 Each arm runs every LR of the grid with every seed (seed = initial weights and
 data order); its best LR is the one with the lowest validation loss averaged
@@ -85,6 +87,10 @@ ARMS = {
     # A diagnostic, not a candidate (it syncs every step): how much of LoRDO's gap to low-rank DDP is
     # locality (measured: none of it; see the README's LoRDO row).
     "lordo-k1": Arm("LoRDO K=1 (diagnostic)", "lordo", {"sync_every": 1}),
+    # A diagnostic too: LoRDO's own optimizer (Δ basis, QH term, error feedback, clipping) fed DDP's
+    # averaged gradient at every step (its warm-up, never ended). Against low-rank DDP it isolates the
+    # optimizer; against LoRDO, what the ranks' separate optimizer states cost (see the README's LoRDO row).
+    "lordo-ddp": Arm("LoRDO optimizer on DDP gradients (diagnostic)", "lordo", {"warmup_steps": "run"}),
 }
 DEFAULT_ARMS = ("ddp", "lowrank-ddp", "lordo", "lordo-omega1", "diloco")
 LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)
@@ -160,6 +166,8 @@ def build_optimizer(arm: Arm, model: Any, lr: float, setup: Setup) -> Any:
                "sync_every": setup.sync_every, **arm.options}
     if "switch_betas" in options:
         options["warmup_steps"] = setup.warmup_steps
+    if options.get("warmup_steps") == "run":  # the whole run, rounded up to whole local periods
+        options["warmup_steps"] = -(-setup.steps // options["sync_every"]) * options["sync_every"]
     return hvd.LoRDO(named, rank=setup.rank, **{**lordo_outer, **adam, **options})
 
 

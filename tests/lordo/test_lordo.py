@@ -638,11 +638,25 @@ def test_report_merges_sweeps_that_extend_the_grid_and_refuses_mixed_setups(tmp_
 def test_bench_runs_one_tiny_sweep_in_process(capsys):
     from commwire.bench import lordo as bench
 
-    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup,lordo-k1", "--lrs", "4e-3", "--seeds", "1",
+    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup,lordo-k1,lordo-ddp", "--lrs", "4e-3", "--seeds", "1",
                 "--steps", "16"])
     out = capsys.readouterr().out
     assert "| LoRDO |" in out and "| DDP-Adam |" in out and "Acceptance" in out
     assert "| LoRDO K=1 (diagnostic) |" in out
+    assert "| LoRDO optimizer on DDP gradients (diagnostic) |" in out
+
+
+@pytest.mark.parametrize("steps, k, warmup", [(20, 8, 24), (16, 8, 16), (256, 16, 256)])
+def test_lordo_ddp_arm_stays_in_its_ddp_warmup_for_the_whole_run(steps, k, warmup):
+    from commwire.bench import lordo as bench
+    from commwire.bench.lm import LMConfig, make_lm
+
+    setup = bench.Setup(d_model=16, layers=1, heads=2, context=8, steps=steps, sync_every=k, rank=2)
+    opt = bench.build_optimizer(bench.ARMS["lordo-ddp"], make_lm(LMConfig(d_model=16, layers=1, heads=2,
+                                                                           context=8), seed=0), 1e-3, setup)
+    assert opt.config.warmup_steps == warmup
+    assert all(opt.config.phase(t).warmup for t in range(1, steps + 1))  # every step averages gradients
+    assert opt.config.switch_betas is None and opt.config.phase(1).omega == setup.omega
 
 
 def test_bench_cli_refuses_bad_arguments():
