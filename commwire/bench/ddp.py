@@ -41,6 +41,7 @@ __all__ = ["run_ddp_bench", "over_seeds", "format_table", "main", "CONFIGS"]
 
 CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
            "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4", "no communication")
+OPTIMIZERS = ("adamw", "adamw-fused")
 
 
 class _CountingAllreduce:
@@ -155,8 +156,13 @@ def _register(label: str, ddp: Any, model: Any) -> Any:
 
 def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, layers: int = 3, batch: int = 8,
                   context: int = 64, steps: int = 10, rounds: int = 3, lr: float = 3e-3, threads: int = 1,
-                  seed: int = 0, bucket_mb: float = 25.0) -> list[dict[str, Any]]:
-    """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration."""
+                  seed: int = 0, bucket_mb: float = 25.0, optimizer: str = "adamw") -> list[dict[str, Any]]:
+    """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration.
+
+    ``optimizer``: "adamw" (torch's default AdamW: on the CPU a loop over the
+    parameters) or "adamw-fused" (``AdamW(fused=True)``, torch's fused kernel:
+    the same update, a shorter compute floor under every hook).
+    """
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -165,6 +171,8 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
     from ..codecs.collective import TUNE_CALLS
     from .lm import Corpus, LMConfig, evaluate, make_lm
 
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     torch.set_num_threads(threads)
     hvd.init()
     if not torch.distributed.is_initialized():  # a second run (another seed) reuses the group
@@ -181,7 +189,7 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
         model = make_lm(cfg, seed=seed)
         ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         state = _register(label, ddp, model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=lr, fused=optimizer == "adamw-fused")
         counted = {"bytes": 0}
 
         def step(i: int, ddp: Any = ddp, opt: Any = opt, counted: dict[str, int] = counted,
@@ -232,6 +240,7 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
             sent[label] / (rounds * steps)
         loss = comm.allreduce(np.array([evaluate(model, corpus, batches=4, batch=16)]), "avg")[0]
         rows.append({"config": label, "ranks": comm.size, "params": sum(p.numel() for p in model.parameters()),
+                     "optimizer": optimizer,
                      "step_ms": median * 1e3, "ratio_vs_ddp": median / base, "MB_per_step": per_step / 1e6,
                      "bytes_vs_fp32": per_step / fp32_bytes, "val_loss": float(loss)})
     return rows
@@ -259,7 +268,8 @@ def over_seeds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table (loss as mean ± sd over seeds, when there are several)."""
     seeds = rows[0].get("seeds", 1)
-    lines = [f"{rows[0]['ranks']} ranks, {rows[0]['params'] / 1e6:.2f} M parameters; bytes measured per rank and step"
+    lines = [f"{rows[0]['ranks']} ranks, {rows[0]['params'] / 1e6:.2f} M parameters, {rows[0].get('optimizer', 'adamw')}; "
+             "bytes measured per rank and step"
              + (f"; {seeds} seeds (step times: median over seeds)" if seeds > 1 else ""), "",
              "| hook | step ms | vs DDP | MB/step | bytes vs FP32 | validation loss |"
              + (" seeds' range | mean ≤ DDP's worst seed |" if seeds > 1 else ""),
@@ -289,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="DDP's bucket_cap_mb for every configuration (default 25, DDP's own): smaller "
                              "buckets start communicating earlier in backward")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="every configuration's optimizer: torch's default AdamW (on the CPU a loop over the "
+                             "parameters) or AdamW(fused=True), the same update in one kernel (default adamw)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
@@ -303,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                      "must be >= 1")
     rows = over_seeds([run_ddp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
                                      context=args.context, steps=args.steps, rounds=args.rounds, seed=seed,
-                                     bucket_mb=args.bucket_mb)
+                                     bucket_mb=args.bucket_mb, optimizer=args.optimizer)
                        for seed in range(args.seeds)])
     from ..comm.runtime import world
 

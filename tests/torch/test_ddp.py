@@ -36,7 +36,8 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
     # A tiny model through the real benchmark on 2 ranks (20 kB buckets: several per step, each its
     # own residual key): commwire's uncompressed hook trains
     # exactly like DDP's built-in all-reduce and sends its FP32 bytes; FP8 sends about a quarter
-    # (its block scales on top); the no-communication floor sends nothing.
+    # (its block scales on top); the no-communication floor sends nothing. Every row runs torch's
+    # fused AdamW (--optimizer), so the DDP rows stay equal under it too.
     import json
 
     from mpi_helpers import run_mpi
@@ -44,6 +45,7 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
     out = tmp_path / "rows.json"
     proc = run_mpi(2, ["-m", "commwire.bench.ddp", "--d-model", "32", "--layers", "1", "--batch", "2",
                        "--context", "8", "--steps", "2", "--rounds", "1", "--json", str(out), "--bucket-mb", "0.02",
+                       "--optimizer", "adamw-fused",
                        "--configs", "ddp,commwire none,commwire fp8-e4m3,ddp powersgd r1,no communication"],
                    timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -58,12 +60,16 @@ def test_bench_runs_every_kind_of_row_and_measures_its_bytes(tmp_path):
     # commwire.bench.ddp._ordered_powersgd) compresses the matrices at rank 1.
     assert rows["ddp powersgd r1"]["bytes_vs_fp32"] < 0.5
     assert all(r["step_ms"] > 0 and 0 < r["val_loss"] < 10 for r in rows.values())
+    assert {r["optimizer"] for r in rows.values()} == {"adamw-fused"}
 
 
-def test_bench_refuses_a_bucket_size_that_is_not_positive():
+def test_bench_refuses_a_bucket_size_that_is_not_positive_and_an_unknown_optimizer():
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-m", "commwire.bench.ddp", "--bucket-mb", "0"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "--bucket-mb 0" in done.stderr and "> 0" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "commwire.bench.ddp", "--optimizer", "sgd"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "'sgd'" in done.stderr and "adamw-fused" in done.stderr, done.stderr
