@@ -173,6 +173,9 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw-fused" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):
+        raise RuntimeError(f"optimizer 'adamw-fused' needs torch >= 2.4 (fused AdamW on the CPU), this is torch "
+                           f"{torch.__version__}: upgrade torch or use 'adamw'")
     torch.set_num_threads(threads)
     hvd.init()
     if not torch.distributed.is_initialized():  # a second run (another seed) reuses the group
@@ -268,7 +271,8 @@ def over_seeds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table (loss as mean ± sd over seeds, when there are several)."""
     seeds = rows[0].get("seeds", 1)
-    lines = [f"{rows[0]['ranks']} ranks, {rows[0]['params'] / 1e6:.2f} M parameters, {rows[0].get('optimizer', 'adamw')}; "
+    first = rows[0]
+    lines = [f"{first['ranks']} ranks, {first['params'] / 1e6:.2f} M parameters, {first.get('optimizer', 'adamw')}; "
              "bytes measured per rank and step"
              + (f"; {seeds} seeds (step times: median over seeds)" if seeds > 1 else ""), "",
              "| hook | step ms | vs DDP | MB/step | bytes vs FP32 | validation loss |"
