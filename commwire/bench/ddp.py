@@ -192,7 +192,7 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
         model = make_lm(cfg, seed=seed)
         ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         state = _register(label, ddp, model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=lr, fused=optimizer == "adamw-fused")
+        opt = torch.optim.AdamW(ddp.parameters(), lr=lr, **({"fused": True} if optimizer == "adamw-fused" else {}))
         counted = {"bytes": 0}
 
         def step(i: int, ddp: Any = ddp, opt: Any = opt, counted: dict[str, int] = counted,
