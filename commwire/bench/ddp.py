@@ -270,8 +270,8 @@ def over_seeds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table (loss as mean ± sd over seeds, when there are several)."""
-    seeds = rows[0].get("seeds", 1)
     first = rows[0]
+    seeds = first.get("seeds", 1)
     lines = [f"{first['ranks']} ranks, {first['params'] / 1e6:.2f} M parameters, {first.get('optimizer', 'adamw')}; "
              "bytes measured per rank and step"
              + (f"; {seeds} seeds (step times: median over seeds)" if seeds > 1 else ""), "",
