@@ -22,6 +22,7 @@ from .comm import (
     Communicator,
     Handle,
     cuda_aware,
+    default_comm,
     finalize,
     init,
     install_abort_hook,
@@ -70,10 +71,6 @@ __all__ = [
 ]
 
 
-def _comm(comm: Communicator | None) -> Communicator:
-    return world() if comm is None else comm
-
-
 def allreduce(
     x: Any,
     op: str = "sum",
@@ -94,10 +91,10 @@ def allreduce(
         comm: communicator (default: the world).
     """
     if codec is None or codec == "none":
-        return _comm(comm).allreduce(x, op, out=out, name=name)
+        return default_comm(comm).allreduce(x, op, out=out, name=name)
     from .codecs.collective import compressed_allreduce
 
-    return compressed_allreduce(_comm(comm), x, op, codec=codec, out=out, name=name)
+    return compressed_allreduce(default_comm(comm), x, op, codec=codec, out=out, name=name)
 
 
 def allreduce_async(
@@ -111,57 +108,57 @@ def allreduce_async(
 ) -> Handle:
     """Start an all-reduce (optionally compressed); ``wait()`` on the handle gives the result."""
     if codec is None or codec == "none":
-        return _comm(comm).allreduce_async(x, op, out=out, name=name)
+        return default_comm(comm).allreduce_async(x, op, out=out, name=name)
     from .codecs.collective import compressed_allreduce_async
 
-    return compressed_allreduce_async(_comm(comm), x, op, codec=codec, out=out, name=name)
+    return compressed_allreduce_async(default_comm(comm), x, op, codec=codec, out=out, name=name)
 
 
 def allgather(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Any:
     """Concatenate every rank's ``x`` along the first dimension (sizes may differ)."""
-    return _comm(comm).allgather(x, name=name)
+    return default_comm(comm).allgather(x, name=name)
 
 
 def allgather_async(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Handle:
     """Start an all-gather; ``wait()`` on the handle gives the concatenation."""
-    return _comm(comm).allgather_async(x, name=name)
+    return default_comm(comm).allgather_async(x, name=name)
 
 
 def broadcast(x: Any, root: int = 0, *, out: Any = None, name: str | None = None,
               comm: Communicator | None = None) -> Any:
     """Return root's ``x`` on every rank (``out=x`` overwrites ``x`` in place)."""
-    return _comm(comm).broadcast(x, root, out=out, name=name)
+    return default_comm(comm).broadcast(x, root, out=out, name=name)
 
 
 def broadcast_async(x: Any, root: int = 0, *, out: Any = None, name: str | None = None,
                     comm: Communicator | None = None) -> Handle:
     """Start a broadcast from ``root``; ``wait()`` on the handle gives the array."""
-    return _comm(comm).broadcast_async(x, root, out=out, name=name)
+    return default_comm(comm).broadcast_async(x, root, out=out, name=name)
 
 
 def reduce_scatter(x: Any, op: str = "sum", *, name: str | None = None, comm: Communicator | None = None) -> Any:
     """Reduce ``x`` over ranks and return this rank's block of rows."""
-    return _comm(comm).reduce_scatter(x, op, name=name)
+    return default_comm(comm).reduce_scatter(x, op, name=name)
 
 
 def alltoall(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Any:
     """Send block i of ``x``'s rows to rank i and return the blocks received."""
-    return _comm(comm).alltoall(x, name=name)
+    return default_comm(comm).alltoall(x, name=name)
 
 
 def broadcast_object(obj: Any, root: int = 0, *, comm: Communicator | None = None) -> Any:
     """Return root's picklable ``obj`` on every rank."""
-    return _comm(comm).broadcast_object(obj, root)
+    return default_comm(comm).broadcast_object(obj, root)
 
 
 def allgather_object(obj: Any, *, comm: Communicator | None = None) -> list[Any]:
     """Return every rank's picklable ``obj`` as a list in rank order."""
-    return _comm(comm).allgather_object(obj)
+    return default_comm(comm).allgather_object(obj)
 
 
 def barrier(*, comm: Communicator | None = None) -> None:
     """Block until every rank reaches this call."""
-    _comm(comm).barrier()
+    default_comm(comm).barrier()
 
 
 def __getattr__(name: str) -> Any:

@@ -16,14 +16,21 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | COMMWIRE_LAB_DIR | path | state directory of the emulated cluster (default /run/commwire-lab) |
 | COMMWIRE_TIMEOUT | seconds | stall watchdog: report a collective waiting this long (default 300, 0 = off) |
 | COMMWIRE_ON_STALL | abort/warn | what the watchdog does after its report (default abort) |
-| COMMWIRE_CODEC_THREADS | int | CPU threads per rank for codec kernels (default: cores / ranks on the node) |
+| COMMWIRE_CODEC_THREADS | int | CPU threads per rank for codec kernels (default, or 0: cores / ranks on the node) |
+
+The Horovod adapter (``commwire.torch``) also honours the Horovod variables in
+:data:`HOROVOD_VARIABLES` (read with the same helpers, at ``hvd.init()``), so a
+Horovod job keeps its settings; ``commwire.torch`` reports the others it finds.
+The launcher's rank variables are not settings: ``commwire.comm.rankenv`` reads them.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["env_bool", "env_str", "env_choice", "env_float", "VARIABLES"]
+__all__ = ["env_bool", "env_str", "env_choice", "env_float", "env_int", "env_number", "set_variables",
+           "cuda_aware_setting",
+           "VARIABLES", "HOROVOD_VARIABLES"]
 
 VARIABLES = (
     "COMMWIRE_CHECK",
@@ -39,19 +46,35 @@ VARIABLES = (
     "COMMWIRE_CODEC_THREADS",
 )
 
+HOROVOD_VARIABLES = {
+    "HOROVOD_FUSION_THRESHOLD": "bytes per fusion bucket of DistributedOptimizer (0: one all-reduce per tensor)",
+    "HOROVOD_TIMELINE": "Chrome-trace timeline path; 'DYNAMIC': none until hvd.start_timeline()",
+    "HOROVOD_DYNAMIC_PROCESS_SETS": "accepted: process sets may always be added after init",
+    "HOROVOD_STALL_CHECK_DISABLE": "1 turns commwire's stall watchdog off",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "seconds before the stall watchdog reports (on_stall='warn')",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "seconds before the stall watchdog aborts the job",
+}
+"""Horovod's variables that ``commwire.torch`` honours (name -> what it does there); COMMWIRE_* ones win."""
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
 def _known(name: str) -> None:
-    if name not in VARIABLES:
-        raise KeyError(f"{name} is not a documented commwire variable; known: {', '.join(VARIABLES)}")
+    if name not in VARIABLES and name not in HOROVOD_VARIABLES:
+        raise KeyError(f"{name} is not a documented commwire variable; known: {', '.join(VARIABLES)}, and "
+                       f"the Horovod ones {', '.join(HOROVOD_VARIABLES)}")
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
-    """Return the raw value of a documented COMMWIRE_* variable, or ``default``."""
+    """Return the raw value of a documented COMMWIRE_* (or honoured HOROVOD_*) variable, or ``default``."""
     _known(name)
     return os.environ.get(name, default)
+
+
+def set_variables(prefix: str = "COMMWIRE_") -> dict[str, str]:
+    """Return every variable set in the environment whose name starts with ``prefix``, known or not (sorted)."""
+    return {name: os.environ[name] for name in sorted(os.environ) if name.startswith(prefix)}
 
 
 def env_bool(name: str, default: bool = False) -> bool:
@@ -76,6 +99,40 @@ def env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number; use e.g. {default:g}") from None
+
+
+def env_int(name: str, default: int, *, minimum: int = 0) -> int:
+    """Parse a whole-number COMMWIRE_* variable of at least ``minimum`` (``"4"`` and ``"4.0"`` alike)."""
+    raw = env_str(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; use a whole number such as 4") from None
+    if not value.is_integer() or value < minimum:
+        raise ValueError(f"{name}={raw!r} must be a whole number >= {minimum}")
+    return int(value)
+
+
+def env_number(name: str, kind: type = float) -> float | int | None:
+    """Parse a non-negative numeric variable as ``kind`` (int or float); None when unset or empty."""
+    raw = env_str(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; set it to e.g. {'67108864' if kind is int else '60'} "
+                         "or unset it") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+def cuda_aware_setting() -> str:
+    """Return COMMWIRE_CUDA_AWARE: ``"auto"`` (the default: ask the MPI library), ``"0"`` or ``"1"``."""
+    return env_choice("COMMWIRE_CUDA_AWARE", ("auto", "0", "1"), "auto")
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

@@ -37,8 +37,9 @@ import threading
 import traceback
 from typing import Any, BinaryIO
 
+from .comm.rankenv import launcher_ranks
 from .comm.ranklog import env_rank, record, start_guardian
-from .comm.runtime import _rank_from_env, _report_and_abort, install_abort_hook
+from .comm.runtime import install_abort_hook, report_and_abort
 
 _USAGE = ("usage: python -m commwire._rankmain [--tag-output] [--output-dir DIR] "
           "(script | -m module | -c code | --exec program) [args...]")
@@ -172,8 +173,8 @@ class _LineStream(io.TextIOBase):
 def _copy_file(output_dir: str | None, stream: str) -> BinaryIO | None:
     if output_dir is None:
         return None
-    rank, size = env_rank(), _rank_from_env()[1]
-    width = len(str(int(size) - 1)) if size.isdigit() and int(size) > 1 else 1
+    rank, size = env_rank(), launcher_ranks().size
+    width = len(str(size - 1)) if size is not None and size > 1 else 1
     folder = os.path.join(output_dir, f"rank.{rank.zfill(width)}")
     os.makedirs(folder, exist_ok=True)
     # Unbuffered: each batch of lines is in the file at once, even if the rank is killed next.
@@ -281,11 +282,11 @@ def main() -> None:
         if code not in (None, 0):
             if not isinstance(code, int):
                 sys.stderr.write(f"{code}\n")
-            _report_and_abort(f"SystemExit({code!r})\n")
+            report_and_abort(f"SystemExit({code!r})\n")
         record("exited")
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure must abort the job
-        _report_and_abort("".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))))
+        report_and_abort("".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -51,7 +51,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .comm.runtime import world
+from .comm.runtime import default_comm
 
 __all__ = ["save", "load", "rank_path", "convert_pickle_checkpoint"]
 
@@ -78,9 +78,9 @@ def rank_path(path: str, rank: int) -> str:
 
 
 def _shared_codecs() -> dict[str, Any]:
-    from .codecs.collective import _codec_cache
+    from .codecs.collective import shared_codecs
 
-    return dict(_codec_cache)
+    return shared_codecs()
 
 
 # ----------------------------------------------------------------------------- public API
@@ -91,7 +91,7 @@ def save(path: str, objects: dict[str, Any], *, comm: Any = None) -> str:
     any rank (a value that cannot be stored, a full disk) raises on every rank
     and leaves the previous files at ``path`` in place.
     """
-    comm = comm if comm is not None else world()
+    comm = default_comm(comm)
     names = sorted(objects)
     lacking = sorted(n for n, obj in objects.items() if not hasattr(obj, "state_dict"))
     everyone = comm.allgather_object((names, lacking))
@@ -118,7 +118,7 @@ def load(path: str, objects: dict[str, Any], *, comm: Any = None) -> str:
     written by a job of another size, every rank raises the same ValueError
     and no state is changed.
     """
-    comm = comm if comm is not None else world()
+    comm = default_comm(comm)
     names = sorted(objects)
     found: dict[str, Any] = {}
     problem = _attempt(lambda: found.update(_read_rank_file(path, comm.rank, comm.size, names)))

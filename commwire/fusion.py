@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .comm import arrays
 from .comm.communicator import Communicator
 from .comm.handle import Handle
+from .comm.runtime import default_comm
 
-__all__ = ["FusionBuffer", "Bucket", "DEFAULT_THRESHOLD_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
+__all__ = ["FusionBuffer", "Bucket", "DEFAULT_THRESHOLD_BYTES", "DEFAULT_FIRST_BUCKET_BYTES", "check_unique_names"]
 
 DEFAULT_THRESHOLD_BYTES = 25 << 20
 """Bucket size limit (DDP's default, 25 MiB)."""
@@ -48,12 +51,12 @@ DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
 """Limit of the first bucket, so the first collective starts early (1 MiB)."""
 
 
-def _xp_zeros(like: Any, n: int) -> Any:
-    if isinstance(like, np.ndarray):
-        return np.zeros(n, dtype=like.dtype)
-    import torch
-
-    return torch.zeros(n, dtype=like.dtype, device=like.device)
+def check_unique_names(names: Sequence[str], what: str = "tensor names") -> None:
+    """Raise ValueError if ``names`` repeats a name: names key buckets, codec state and checkpoints."""
+    dupes = sorted(name for name, count in Counter(names).items() if count > 1)
+    if dupes:
+        more = f" and {len(dupes) - 5} more" if len(dupes) > 5 else ""
+        raise ValueError(f"{what} must be unique; duplicate names: {dupes[:5]}{more}")
 
 
 def _flat(x: Any) -> Any:
@@ -84,7 +87,7 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         """Return the size of the bucket's buffer in bytes."""
-        return int(self.buffer.nbytes) if hasattr(self.buffer, "nbytes") else self.buffer.numel() * self.buffer.element_size()
+        return arrays.nbytes(self.buffer)
 
     def view(self, slot: int) -> Any:
         """Return member ``slot`` as a view into the bucket buffer, in its own shape."""
@@ -129,15 +132,8 @@ class FusionBuffer:
         if threshold_bytes < 0 or first_bucket_bytes < 0:
             raise ValueError(f"bucket sizes must be >= 0, got threshold_bytes={threshold_bytes}, "
                              f"first_bucket_bytes={first_bucket_bytes}")
-        names = [name for name, _ in tensors]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"tensor names must be unique; duplicated: {dupes}")
-        if comm is None:
-            from .comm.runtime import world
-
-            comm = world()
-        self.comm = comm
+        check_unique_names([name for name, _ in tensors])
+        self.comm = default_comm(comm)
         self.op = op
         self.codec = None
         if codec is not None and codec != "none":
@@ -171,7 +167,7 @@ class FusionBuffer:
         for name, t in reversed(tensors):
             key = _group_key(t)
             group = open_groups.setdefault(key, [])
-            nbytes = int(t.nbytes) if hasattr(t, "nbytes") else t.numel() * t.element_size()
+            nbytes = arrays.nbytes(t)
             if group and sizes[key] + nbytes > limit:
                 closed.append(group)
                 group = open_groups[key] = []
@@ -210,7 +206,7 @@ class FusionBuffer:
         digest = zlib.crc32("\0".join(names).encode())
         bucket_id = f"bucket{index}:{names[0]}..{names[-1]}:{len(names)}:{digest:08x}"
         return Bucket(index=index, id=bucket_id, names=names, offsets=offsets, numels=numels,
-                      shapes=[tuple(t.shape) for _, t in members], buffer=_xp_zeros(members[0][1], sum(numels)),
+                      shapes=[tuple(t.shape) for _, t in members], buffer=arrays.zeros(members[0][1], sum(numels)),
                       filled=[False] * len(names))
 
     # ------------------------------------------------------------------ filling

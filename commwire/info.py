@@ -8,12 +8,16 @@ found and how it was decided, and for anything not ``ok`` the fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import importlib.metadata
 import os
 import platform
 import shutil
 import sys
 from typing import Any
+
+from . import _config
 
 __all__ = ["Check", "collect", "diagnose", "format_info"]
 
@@ -28,11 +32,30 @@ class Check:
     fix: str = ""
 
 
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
 def _version(module: str) -> str | None:
+    """Return the installed version of the package that provides ``module`` (None: missing or broken).
+
+    The version comes from the package's metadata, as pip reports it: not every package
+    sets ``__version__`` (rich 15 does not), and the import name may differ from the
+    package's (cupy installs as cupy-cuda12x). ``__version__`` is the fallback only for a
+    module installed without metadata (a source checkout on the path).
+    """
     try:
-        return str(importlib.import_module(module).__version__)
+        imported = importlib.import_module(module)
     except Exception:  # noqa: BLE001 - report any broken optional install as missing
         return None
+    for dist in _distributions().get(module, [module]):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    version = getattr(imported, "__version__", None)
+    return None if version is None else str(version)
 
 
 def _devices() -> dict[str, Any]:
@@ -121,7 +144,7 @@ def _thread_check() -> Check:
     if level == "multiple":
         return Check("thread level", "ok", "MPI_THREAD_MULTIPLE: background lanes overlap communication "
                                            "with computation")
-    asked = os.environ.get("COMMWIRE_THREAD_LEVEL")
+    asked = _config.env_str("COMMWIRE_THREAD_LEVEL")
     why = f"COMMWIRE_THREAD_LEVEL={asked!r} asked for it" if asked else "this MPI library offers no more"
     return Check("thread level", "note", f"MPI_THREAD_{level.upper()} ({why}): async collectives run at once, "
                                          "without overlap",
@@ -132,7 +155,7 @@ def _thread_check() -> Check:
 def _cuda_check() -> Check:
     from .comm import runtime
 
-    setting = os.environ.get("COMMWIRE_CUDA_AWARE", "auto")
+    setting = _config.cuda_aware_setting()
     detected = runtime.query_mpi_cuda_support()
     devices = _devices()
     count = len(devices["torch_cuda"] or []) or (devices["cupy_devices"] or 0)
@@ -164,10 +187,9 @@ def _lab_check() -> Check:
 
 
 def _env_check() -> Check:
-    from . import _config
-
     problems = []
-    for name in sorted(k for k in os.environ if k.startswith("COMMWIRE_")):
+    found = _config.set_variables("COMMWIRE_")
+    for name in found:
         if name not in _config.VARIABLES:
             problems.append(f"{name} is not a commwire variable")
     for name, read in (("COMMWIRE_TIMEOUT", lambda: _config.env_float("COMMWIRE_TIMEOUT", 300.0)),
@@ -179,8 +201,7 @@ def _env_check() -> Check:
     if problems:
         return Check("environment", "problem", "; ".join(problems),
                      "fix or unset them (the table in commwire/_config.py lists every variable)")
-    return Check("environment", "ok", "COMMWIRE_* variables valid" if any(
-        k.startswith("COMMWIRE_") for k in os.environ) else "no COMMWIRE_* variables set")
+    return Check("environment", "ok", "COMMWIRE_* variables valid" if found else "no COMMWIRE_* variables set")
 
 
 def _torch_check() -> Check:

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
+from ._validate import positive_int
+
 __all__ = ["Launcher", "LAUNCHER_KINDS", "find_launcher", "build_command", "parse_hosts", "parse_hostfile",
            "hosts_are_local", "check_command", "wrap_python", "wrap_program"]
 
@@ -227,8 +229,7 @@ def build_command(
     mpi_args: list[str] | None = None,
 ) -> list[str]:
     """Return the argv that starts ``command`` on ``np`` ranks with ``launcher``."""
-    if np < 1:
-        raise ValueError(f"-np {np} must be at least 1")
+    positive_int("-np", np, extra="(at least 1 rank)")
     if not command:
         raise ValueError("no command to run; e.g. commwire run -np 4 python train.py")
     if hosts and hostfile:

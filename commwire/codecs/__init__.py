@@ -9,7 +9,7 @@ Get a codec from a spec string (grammar in :mod:`commwire.codecs.registry`)::
 
 Specs: ``none``, ``fp16``, ``bf16``, ``fp8-e4m3``, ``fp8-e5m2`` (options ``block=N``,
 ``sr``, ``seed=N``), ``nvfp4`` (``sr``, ``seed=N``), prefixed by wrapper stages
-``ef+`` and ``hadamard+`` (``size=N``, ``seed=N``).
+``ef+``, ``hadamard+`` (``size=N``, ``seed=N``) and ``gift+``.
 
 Wire bytes for n elements (``codec.wire_nbytes(n)``): none 4n; fp16/bf16 2n;
 FP8 n + 4 (per tensor) or n + 4*ceil(n/B) (block B); NVFP4
@@ -25,12 +25,13 @@ ops; cupy arrays through torch via DLPack. Format parameters are data:
 
 from __future__ import annotations
 
-from ._threads import get_threads, set_threads
+from ._threads import blas_threads, get_threads, set_threads
 from .base import Codec, CodecState, Payload
 from .casts import CastCodec, CastConfig, IdentityCodec
 from .feedback import ErrorFeedback
 from .formats import FORMATS, FloatFormat, get_format
 from .fp8 import Fp8Codec, Fp8Config
+from .gift import Gift, GiftConfig
 from .hadamard import HadamardConfig, HadamardTransform
 from .nvfp4 import Nvfp4Codec, Nvfp4Config
 from .pipeline import Pipeline, Transform, pipeline
@@ -53,6 +54,8 @@ __all__ = [
     "Nvfp4Config",
     "HadamardTransform",
     "HadamardConfig",
+    "Gift",
+    "GiftConfig",
     "ErrorFeedback",
     "Pipeline",
     "Transform",
@@ -62,8 +65,5 @@ __all__ = [
     "get_format",
     "get_threads",
     "set_threads",
+    "blas_threads",
 ]
-
-from .gift import Gift, GiftConfig  # noqa: E402  # GIFT stage, registered as "gift+..." in registry.py
-
-__all__ += ["Gift", "GiftConfig"]

@@ -3,8 +3,7 @@
 Several MPI ranks usually share one node, and every rank runs its own kernels,
 so letting each rank use every core oversubscribes the machine. The default is
 therefore the cores this process may run on divided by the number of ranks on
-the node, as announced by the launcher (MPICH/Hydra ``MPI_LOCALNRANKS``, Open MPI
-``OMPI_COMM_WORLD_LOCAL_SIZE``, Slurm ``SLURM_NTASKS_PER_NODE``), and at least 1.
+the node, as announced by the launcher (``commwire.comm.rankenv``), and at least 1.
 COMMWIRE_CODEC_THREADS overrides the default (the emulated cluster sets it:
 there every "host" is a network namespace on the same cores, so the launcher's
 per-node count is 1); :func:`set_threads` overrides both for the whole process.
@@ -17,22 +16,12 @@ import os
 from collections.abc import Iterator
 
 from .. import _config
+from .._validate import positive_int
+from ..comm.rankenv import launcher_ranks
 
 __all__ = ["get_threads", "set_threads", "blas_threads"]
 
-_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
 _threads: int | None = None
-
-
-def _local_ranks() -> int:
-    for name in _LOCAL_SIZE_VARIABLES:
-        raw = os.environ.get(name, "")
-        # Slurm writes "4(x2)" for heterogeneous nodes; the leading count is ours.
-        digits = raw.split("(")[0].strip()
-        if digits.isdigit() and int(digits) > 0:
-            return int(digits)
-    return 1
 
 
 def _usable_cpus() -> int:
@@ -49,18 +38,13 @@ def default_threads() -> int:
     """Return the default thread count: COMMWIRE_CODEC_THREADS, else usable cores / ranks on this node.
 
     Worked out once per process (and again after ``set_threads(None)``): every codec
-    kernel call asks, and reading the environment and the affinity mask each time
-    cost ~50 µs a call, more than FP8-encoding 32K elements.
+    kernel call asks, and reading the environment and the affinity mask costs more
+    than encoding a small tensor.
     """
     global _default
     if _default is None:
-        configured = _config.env_float("COMMWIRE_CODEC_THREADS", 0.0)
-        if configured:
-            if configured < 1 or configured != int(configured):
-                raise ValueError(f"COMMWIRE_CODEC_THREADS={configured:g} must be a positive integer")
-            _default = int(configured)
-        else:
-            _default = max(1, _usable_cpus() // _local_ranks())
+        configured = _config.env_int("COMMWIRE_CODEC_THREADS", 0)  # 0: the default below
+        _default = configured or max(1, _usable_cpus() // (launcher_ranks().local_size or 1))
     return _default
 
 
@@ -72,9 +56,8 @@ def get_threads() -> int:
 def set_threads(n: int | None) -> None:
     """Set the number of CPU threads for the codec kernels (None restores the default, read afresh)."""
     global _threads, _default
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ValueError(f"threads must be a positive int or None, got {n!r}")
-    _threads = n
+    positive_int("threads", n, allow_none=True)
+    _threads = None if n is None else int(n)
     if n is None:
         _default = None
 
@@ -84,8 +67,7 @@ def blas_threads(n: int | None = None) -> Iterator[None]:
     """Limit BLAS to ``n`` threads inside the block (default: :func:`get_threads`, this rank's share).
 
     Every rank's BLAS otherwise starts a thread per core, and ranks sharing a node
-    then fight over the cores: on 4 ranks and 2 cores, CA-SGD's Gram GEMM took
-    9.5 s for a fit that takes 0.07 s with one BLAS thread per rank. Needs
+    then fight over the cores, which slows a GEMM down by orders of magnitude. Needs
     threadpoolctl (a scikit-learn dependency); without it the BLAS keeps its default.
     """
     try:

@@ -1,7 +1,7 @@
 """The codec kernels written with torch ops, for torch tensors on CPU or CUDA.
 
 Same function names, signatures and bit arithmetic as ``_kernels`` (numba), so a
-codec calls whichever module matches its input (see ``_arrays.kernels``); the
+codec calls whichever module matches its input (see ``base.kernels``); the
 tests check that both produce identical bytes. Everything stays on the tensor's
 device: scales are 0-d tensors, never Python floats, so encoding a CUDA tensor
 does not synchronise with the host. torch is imported by this module only, which

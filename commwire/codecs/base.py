@@ -28,15 +28,41 @@ import abc
 import dataclasses
 import zlib
 from collections.abc import Hashable
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays
+from ..comm import arrays
 
-__all__ = ["Codec", "Wrapper", "Payload", "CodecState", "Span", "stream_id", "next_stream"]
+__all__ = ["Codec", "Wrapper", "Payload", "CodecState", "Span", "stream_id", "next_stream", "kernels",
+           "check_float"]
 
 _STATE_VERSION = 1
+
+_kernel_modules: dict[str, ModuleType] = {}
+
+
+def kernels(kind: str) -> ModuleType:
+    """Return the kernel module for an array kind: numba for numpy, torch ops for torch (and cupy, via DLPack)."""
+    module = _kernel_modules.get(kind)  # every codec call asks: skip the import machinery
+    if module is None:
+        if kind == "numpy":
+            from . import _kernels as module
+        else:
+            from . import _torch_kernels as module
+        _kernel_modules[kind] = module
+    return module
+
+
+def check_float(x: Any, spec: str) -> None:
+    """Raise TypeError unless ``x`` holds float16/bfloat16/float32/float64 values."""
+    name = arrays.dtype_name(x.dtype)
+    if name not in arrays.FLOAT_NAMES:
+        raise TypeError(
+            f"codec {spec!r} encodes floating-point arrays ({', '.join(arrays.FLOAT_NAMES)}), got {name}; "
+            "cast first (x.astype(numpy.float32)) or send integer/boolean data without a codec"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,8 +142,8 @@ def _to_host(value: Any) -> Any:
         return value
     if isinstance(value, np.ndarray):
         return value.copy()
-    if _arrays.kind_of(value) == "cupy":
-        value = _arrays.to_torch(value)
+    if arrays.kind_of(value) == "cupy":
+        value = arrays.to_torch(value)
     return value.detach().cpu().numpy().copy()
 
 
@@ -151,6 +177,12 @@ class Codec(abc.ABC):
     lossless: bool = False
     """True when decode(encode(x)) == x for float32 (and narrower) input."""
 
+    device_capable: bool = False
+    """True when this stage's own work runs on torch tensors on their device (its kernels take CUDA
+    tensors): a compressed collective then keeps device arrays on the device if every stage of the
+    codec says so (:func:`commwire.codecs.collective.has_device_kernels`), and reduces them through
+    a host copy otherwise. A codec stays on the host unless it declares this."""
+
     def __init__(self) -> None:
         self.state = CodecState()
 
@@ -178,7 +210,7 @@ class Codec(abc.ABC):
         Here: decode into a temporary vector, then add. Codecs with a fused
         kernel override this; the result must stay bit-identical.
         """
-        out += self._decode(buf, n, _arrays.empty_f32(out, n))
+        out += self._decode(buf, n, arrays.empty_f32(out, n))
 
     @property
     def stages(self) -> tuple[Codec, ...]:
@@ -204,29 +236,29 @@ class Codec(abc.ABC):
     # ---- low-level API: flat float32 and raw bytes ----------------------------
     def encode_into(self, x: Any, out: Any, key: Hashable = None) -> None:
         """Encode the flat float32 vector ``x`` into ``out``, a uint8 buffer of wire_nbytes(len(x))."""
-        kind = _arrays.kind_of(x)
-        if len(x.shape) != 1 or _arrays.dtype_name(x) != "float32":
+        kind = arrays.kind_of(x)
+        if len(x.shape) != 1 or arrays.dtype_name(x.dtype) != "float32":
             raise ValueError(
-                f"encode_into takes a 1-D float32 vector, got shape {tuple(x.shape)} {_arrays.dtype_name(x)}; "
-                "use encode() for other shapes and dtypes"
+                f"encode_into takes a 1-D float32 vector, got shape {tuple(x.shape)} "
+                f"{arrays.dtype_name(x.dtype)}; use encode() for other shapes and dtypes"
             )
         n = int(x.shape[0])
         self._check_buffer(out, n, "out")
         if kind == "cupy":
-            x, out = _arrays.to_torch(x), _arrays.to_torch(out)
+            x, out = arrays.to_torch(x), arrays.to_torch(out)
         if not _is_contiguous(x):
-            x = _arrays.flat_f32(x, _arrays.kind_of(x))
+            x = arrays.flat_f32(x, arrays.kind_of(x))
         self._encode(x, out, key)
 
     def decode_from(self, buf: Any, n: int, out: Any = None) -> Any:
         """Decode ``n`` elements from the uint8 buffer ``buf`` into a flat float32 vector."""
         n, kind, tbuf = self._check_encoded(buf, n)
         if out is None:
-            target = _arrays.empty_f32(tbuf, n)
+            target = arrays.empty_f32(tbuf, n)
         else:
             target = self._check_out(out, n, kind)
         self._decode(tbuf, n, target)
-        return out if out is not None else _arrays.from_torch(target, kind)
+        return out if out is not None else arrays.from_torch(target, kind)
 
     def decode_add(self, buf: Any, n: int, out: Any) -> Any:
         """Decode ``n`` elements from ``buf`` and add them to ``out`` in place.
@@ -251,8 +283,8 @@ class Codec(abc.ABC):
             ...     codec.decode_add(buf, total.size, total)
         """
         n, kind, tbuf = self._check_encoded(buf, n)
-        if _arrays.kind_of(out) != kind:
-            raise ValueError(f"out is a {_arrays.kind_of(out)} array and buf a {kind} one; decode_add needs one kind")
+        if arrays.kind_of(out) != kind:
+            raise ValueError(f"out is a {arrays.kind_of(out)} array and buf a {kind} one; decode_add needs one kind")
         self._decode_add(tbuf, n, self._check_out(out, n, kind))
         return out
 
@@ -262,19 +294,21 @@ class Codec(abc.ABC):
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         n = int(n)
         self._check_buffer(buf, n, "buf")
-        kind = _arrays.kind_of(buf)
-        return n, kind, (_arrays.to_torch(buf) if kind == "cupy" else buf)
+        kind = arrays.kind_of(buf)
+        return n, kind, (arrays.to_torch(buf) if kind == "cupy" else buf)
 
     def _check_out(self, out: Any, n: int, kind: str) -> Any:
         """Validate a float32 output vector of ``n`` elements; return it as the kernels take it."""
-        if tuple(out.shape) != (n,) or _arrays.dtype_name(out) != "float32":
-            raise ValueError(f"out must be a float32 vector of {n} elements, got {tuple(out.shape)} {_arrays.dtype_name(out)}")
-        return _arrays.to_torch(out) if kind == "cupy" else out
+        if tuple(out.shape) != (n,) or arrays.dtype_name(out.dtype) != "float32":
+            raise ValueError(f"out must be a float32 vector of {n} elements, got {tuple(out.shape)} "
+                             f"{arrays.dtype_name(out.dtype)}")
+        return arrays.to_torch(out) if kind == "cupy" else out
 
     def _check_buffer(self, buf: Any, n: int, name: str) -> None:
         expected = self.wire_nbytes(n)
-        if len(buf.shape) != 1 or _arrays.dtype_name(buf) != "uint8":
-            raise ValueError(f"{name} must be a 1-D uint8 buffer, got shape {tuple(buf.shape)} {_arrays.dtype_name(buf)}")
+        if len(buf.shape) != 1 or arrays.dtype_name(buf.dtype) != "uint8":
+            raise ValueError(f"{name} must be a 1-D uint8 buffer, got shape {tuple(buf.shape)} "
+                             f"{arrays.dtype_name(buf.dtype)}")
         if int(buf.shape[0]) != expected:
             raise ValueError(
                 f"{name} holds {int(buf.shape[0])} bytes but codec {self.spec!r} needs wire_nbytes({n}) = {expected}; "
@@ -284,14 +318,14 @@ class Codec(abc.ABC):
     # ---- high-level API: any shape, dtype and array kind ---------------------
     def encode(self, x: Any, key: Hashable = None) -> Payload:
         """Encode an array of any shape and float dtype into a :class:`Payload`."""
-        kind = _arrays.kind_of(x)
-        _arrays.check_float(x, self.spec)
-        flat = _arrays.flat_f32(x, kind)
-        out = _arrays.empty_u8(flat, self.wire_nbytes(int(flat.shape[0])))
+        kind = arrays.kind_of(x)
+        check_float(x, self.spec)
+        flat = arrays.flat_f32(x, kind)
+        out = arrays.empty_u8(flat, self.wire_nbytes(int(flat.shape[0])))
         self._encode(flat, out, key)
         return Payload(
-            data=_arrays.from_torch(out, kind) if kind == "cupy" else out,
-            spec=self.spec, shape=tuple(int(d) for d in x.shape), dtype=_arrays.dtype_name(x),
+            data=arrays.from_torch(out, kind) if kind == "cupy" else out,
+            spec=self.spec, shape=tuple(int(d) for d in x.shape), dtype=arrays.dtype_name(x.dtype),
             n=int(flat.shape[0]), kind=kind,
         )
 
@@ -302,8 +336,8 @@ class Codec(abc.ABC):
         if payload.spec != self.spec:
             raise ValueError(f"payload was encoded by codec {payload.spec!r}, this codec is {self.spec!r}")
         flat = self.decode_from(payload.data, payload.n)
-        tflat = _arrays.to_torch(flat) if payload.kind == "cupy" else flat
-        return _arrays.restore(tflat, payload.shape, payload.dtype, payload.kind, out)
+        tflat = arrays.to_torch(flat) if payload.kind == "cupy" else flat
+        return arrays.restore(tflat, payload.shape, payload.dtype, payload.kind, out)
 
     # ---- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
-from . import _arrays
-from .base import Codec
+from ..comm import arrays
+from .base import Codec, kernels
 from .formats import get_format
 
 __all__ = ["IdentityCodec", "CastCodec", "CastConfig"]
@@ -24,6 +24,7 @@ class IdentityCodec(Codec):
     """Send float32 values unchanged (4 bytes per element)."""
 
     lossless = True
+    device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
 
     @property
     def spec(self) -> str:
@@ -35,10 +36,10 @@ class IdentityCodec(Codec):
         return 4 * int(n)
 
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
-        _arrays.kernels(_arrays.kind_of(x)).put_f32(out, x)
+        kernels(arrays.kind_of(x)).put_f32(out, x)
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        _arrays.kernels(_arrays.kind_of(buf)).get_f32_into(buf, out)
+        kernels(arrays.kind_of(buf)).get_f32_into(buf, out)
         return out
 
 
@@ -57,6 +58,8 @@ class CastConfig:
 class CastCodec(Codec):
     """Cast to fp16 or bf16 on the wire (2 bytes per element, little-endian)."""
 
+    device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+
     def __init__(self, config: CastConfig | None = None, **settings: Any) -> None:
         super().__init__()
         self.config = config if config is not None else CastConfig(**settings)
@@ -72,11 +75,11 @@ class CastCodec(Codec):
         return 2 * int(n)
 
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
-        _arrays.kernels(_arrays.kind_of(x)).encode16(x, out, self.format.kernel_params())
+        kernels(arrays.kind_of(x)).encode16(x, out, self.format.kernel_params())
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        _arrays.kernels(_arrays.kind_of(buf)).decode16(buf, self.format.lut(), out)
+        kernels(arrays.kind_of(buf)).decode16(buf, self.format.lut(), out)
         return out
 
     def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        _arrays.kernels(_arrays.kind_of(buf)).decode16_add(buf, self.format.lut(), out)
+        kernels(arrays.kind_of(buf)).decode16_add(buf, self.format.lut(), out)

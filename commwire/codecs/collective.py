@@ -47,27 +47,24 @@ import numpy as np
 
 from ..comm import arrays
 from ..comm.arrays import adapter_for
-from ..comm.communicator import Communicator, _check_out, _describe, _device_of, _op_label, split_rows
+from ..comm.communicator import Communicator, check_out, describe, device_of, op_label, split_rows
 from ..comm.handle import Handle
 from ..comm.handle import wait_requests
-from . import _arrays
 from .base import Codec, Span
 
-__all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "PEER_CHOICES", "TUNE_CALLS",
-           "SMALL_BYTES", "last_wire_bytes", "segment_bytes_for", "segment_bytes_at", "tuned_segment_bytes",
-           "has_device_kernels", "device_space"]
+__all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "shared_codecs", "PEER_CHOICES",
+           "TUNE_CALLS", "FIRST_PEER_BYTES", "SMALL_BYTES", "ALIGN", "last_wire_bytes", "segments", "segment_bytes_for",
+           "segment_bytes_at", "tuned_segment_bytes", "has_device_kernels", "device_space"]
 
 PEER_CHOICES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10)
 """Payload bytes one rank sends one peer per pipeline segment, tried by the segment tuner.
 
-The best segment depends on the network: on 4 lab hosts at 1 Gbit/s (MPICH over
-libfabric tcp) per-peer messages above ~64 KiB cost several ms more per call
-(FP8 at 1 MiB: 10.7 ms in one segment, 3.6-6.1 ms with messages of 32 KiB or
-less; at 64 MiB NVFP4 131 -> 122 ms), while at 10 Gbit/s the per-segment
-overhead dominates and 4 MiB segments were fastest (FP8 at 64 MiB: 82 ms vs
-129 ms with 32 KiB messages). So the first calls of each tensor size try these
-and keep the fastest (see ``_Tuner``); ``segment_bytes=`` fixes a size instead.
-Fixing the message, not the FP32 segment, keeps it the same at any rank count."""
+The best segment depends on the network: on a 1 Gbit/s link (MPICH over libfabric
+tcp) per-peer messages above ~64 KiB cost several ms more per call, while at
+10 Gbit/s the per-segment overhead dominates and MiB-sized segments are fastest.
+So the first calls of each tensor size try these and keep the fastest (see
+``_Tuner``); ``segment_bytes=`` fixes a size instead. Fixing the message, not the
+FP32 segment, keeps it the same at any rank count."""
 TUNE_ROUNDS = 5
 """Consecutive calls per candidate segment size; the mean of all but the first two counts."""
 TUNE_CALLS = TUNE_ROUNDS * len(PEER_CHOICES)
@@ -79,7 +76,9 @@ TUNE_MARGIN = 0.05
 """A larger segment is chosen only when it is this much faster than every smaller one."""
 SMALL_BYTES = 64 << 10
 """Below this many FP32 bytes the single-Allgather variant is used."""
-_ALIGN = 128  # chunk boundaries fall on whole quantisation blocks (NVFP4: 16, block FP8: up to 128)
+ALIGN = 128
+"""Elements per alignment unit: chunk and segment boundaries fall on whole quantisation blocks
+(NVFP4: 16, block FP8: up to 128), so every block is encoded by one rank with one scale."""
 _F32 = np.dtype(np.float32)
 _perf = time.perf_counter
 
@@ -105,6 +104,12 @@ def resolve_codec(codec: Any) -> Codec:
 
             found = _codec_cache[codec] = get(codec)
         return found
+
+
+def shared_codecs() -> dict[str, Codec]:
+    """Return the codecs that string specs resolved to so far (spec -> instance), e.g. to checkpoint their state."""
+    with _cache_lock:
+        return dict(_codec_cache)
 
 
 class _HostSpace:
@@ -207,8 +212,8 @@ class _Segment:
         # Plain ints and slices, worked out once: a call walks every segment, and numpy scalar
         # arithmetic per segment and peer cost more than the small segments' kernels.
         m = stop - start
-        blocks = split_rows(-(-m // _ALIGN), size)
-        edges = [min(int(e), m) for e in np.concatenate(([0], np.cumsum(blocks) * _ALIGN))]
+        blocks = split_rows(-(-m // ALIGN), size)
+        edges = [min(int(e), m) for e in np.concatenate(([0], np.cumsum(blocks) * ALIGN))]
         self.start = start
         self.counts = [b - a for a, b in zip(edges, edges[1:])]  # whole blocks per rank; the tail: last non-empty
         self.chunks = [slice(start + a, start + b) for a, b in zip(edges, edges[1:])]
@@ -224,7 +229,7 @@ class _Segment:
 def segment_bytes_at(wire_ratio: float, size: int, peer_bytes: int) -> int:
     """Return the FP32 bytes per pipeline segment that send ``peer_bytes`` to each of ``size`` ranks
     when the payload is ``wire_ratio`` bytes per FP32 byte (at least one aligned chunk per rank)."""
-    return max(_ALIGN * size * 4, int(peer_bytes * size / wire_ratio / 4) * 4)
+    return max(ALIGN * size * 4, int(peer_bytes * size / wire_ratio / 4) * 4)
 
 
 def segment_bytes_for(codec: Codec, size: int, peer_bytes: int) -> int:
@@ -232,9 +237,13 @@ def segment_bytes_for(codec: Codec, size: int, peer_bytes: int) -> int:
     return segment_bytes_at(codec.wire_nbytes(1 << 20) / (4 << 20), size, peer_bytes)
 
 
-def _segments(n: int, size: int, segment_bytes: int, first_bytes: int | None = None) -> list[tuple[int, int]]:
-    """Cut ``n`` elements into pipeline segments of ``segment_bytes``, the first one at most ``first_bytes``."""
-    unit = _ALIGN * size
+def segments(n: int, size: int, segment_bytes: int, first_bytes: int | None = None) -> list[tuple[int, int]]:
+    """Cut ``n`` elements into pipeline segments of ``segment_bytes``, the first one at most ``first_bytes``.
+
+    Returns (start, stop) element ranges; every boundary but ``n`` is a multiple of ``ALIGN * size``, so
+    each rank's chunk of a segment is whole quantisation blocks. ``n == 0`` gives one empty segment.
+    """
+    unit = ALIGN * size
 
     def elems(nbytes: int) -> int:
         return max(unit, (nbytes // 4) // unit * unit)
@@ -258,7 +267,7 @@ class _Plan:
         # before it has posted their receives: kept within FIRST_PEER_BYTES they are
         # buffered on arrival instead of stalling the connection (see PEER_CHOICES).
         first = segment_bytes_for(codec, size, FIRST_PEER_BYTES)
-        self.segs = [_Segment(codec, a, b, size, rank, space) for a, b in _segments(n, size, segment_bytes, first)]
+        self.segs = [_Segment(codec, a, b, size, rank, space) for a, b in segments(n, size, segment_bytes, first)]
         self.acc = space.empty_f32(int(max(s.counts[rank] for s in self.segs)))
 
 
@@ -301,11 +310,11 @@ class _Tuner:
 
     def __init__(self, codec: Codec, size: int, n: int) -> None:
         self.codec_spec, self.n = codec.spec, n
-        whole = max(_ALIGN * size, n) * 4
+        whole = max(ALIGN * size, n) * 4
         options: dict[int, int] = {}  # segment count -> the first candidate giving it
         for peer in PEER_CHOICES:
             seg = min(segment_bytes_for(codec, size, peer), whole)
-            options.setdefault(len(_segments(n, size, seg)), seg)
+            options.setdefault(len(segments(n, size, seg)), seg)
         self.options = sorted(options.values())
         self.times: dict[int, list[float]] = {opt: [] for opt in self.options}
         self.chosen: int | None = self.options[0] if len(self.options) == 1 else None
@@ -400,8 +409,7 @@ class _Run:
         # thread), so poke the transfers in flight between codec kernels: this is
         # what lets encoding and decoding overlap the wire. One test is enough: each
         # MPI call runs the progress engine once over every connection, so testing
-        # each request only repeated that poll (on 4 lab hosts sharing 2 cores, eight
-        # 4 MB bf16 all-reduces at 256 KB segments took 288 ms that way, 271 ms with one).
+        # each request would only repeat that poll, at a cost.
         # The newest request still pending: a test of a finished (null) one does not progress.
         for req in reversed(self.inflight):
             if req:
@@ -599,7 +607,7 @@ def compressed_allreduce(
         return comm.allreduce(x, op, out=out, name=name)
     error = adapter = host = space = dtype = None
     try:
-        if _op_label(op) not in ("sum", "avg"):
+        if op_label(op) not in ("sum", "avg"):
             raise ValueError(f"op={op!r} cannot run on codec {codec.spec!r} payloads; use op='sum' or 'avg', "
                              "or codec=None")
         adapter = adapter_for(x)
@@ -612,13 +620,13 @@ def compressed_allreduce(
         if dtype.kind != "f" and dtype.name != "bfloat16":
             raise TypeError(f"codec {codec.spec!r} needs a float array, got {dtype}; pass codec=None for "
                             "integers")
-        _check_out(x, out, "compressed allreduce")
+        check_out(x, out, "compressed allreduce")
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it (Communicator._guarded)
         error = exc
     shape = tuple(int(d) for d in x.shape) if dtype is not None else None
-    shape, dtype_label = (shape, str(dtype)) if dtype is not None else _describe(x)
-    sig = ("compressed_allreduce", name, shape, dtype_label, _op_label(op), None,
-           (codec.spec, segment_bytes, small_bytes), _device_of(x))
+    shape, dtype_label = (shape, str(dtype)) if dtype is not None else describe(x)
+    sig = ("compressed_allreduce", name, shape, dtype_label, op_label(op), None,
+           (codec.spec, segment_bytes, small_bytes), device_of(x))
     average = sig[4] != "sum"
     key = name if name is not None else ("shape", shape)
 
@@ -650,13 +658,13 @@ def compressed_allreduce(
     def run_device() -> Any:
         assert space is not None and dtype is not None
         start = _perf()
-        kind = _arrays.kind_of(x)
-        t = _arrays.to_torch(x).detach()
+        kind = arrays.kind_of(x)
+        t = arrays.to_torch(x).detach()
         flat = t.reshape(-1)
         if flat.dtype != space.torch.float32 or not flat.is_contiguous():
             flat = flat.to(space.torch.float32).contiguous()
         flat = codec.tensor_forward(flat, key)
-        target = None if out is None else _arrays.to_torch(out).detach()
+        target = None if out is None else arrays.to_torch(out).detach()
         # Decode straight into a float32 `out` (out=x included: the pipeline overwrites only
         # segments it has encoded, and the kernels run in stream order).
         into_out = (target is not None and target.dtype == space.torch.float32 and target.is_contiguous()
@@ -672,7 +680,7 @@ def compressed_allreduce(
                 target.copy_(final)
                 value = out
             else:
-                value = _arrays.from_torch(final, kind)
+                value = arrays.from_torch(final, kind)
         _account(comm, codec, name, run, start, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         return value
 
@@ -710,20 +718,13 @@ def _account(comm: Communicator, codec: Codec, name: str | None, run: _Run, star
                           codec=codec.spec, bytes=run.wire_sent, **{k + "_s": v for k, v in run.times.items()})
 
 
-_DEVICE_MODULES = frozenset(("commwire.codecs.casts", "commwire.codecs.fp8", "commwire.codecs.nvfp4",
-                             "commwire.codecs.feedback", "commwire.codecs.pipeline", "commwire.codecs.hadamard"))
-"""Codec stages whose kernels run on torch tensors on any device (``_torch_kernels``)."""
-
-
 def has_device_kernels(codec: Codec) -> bool:
-    """Return whether every stage of ``codec`` (and its transforms) runs on torch tensors on their device."""
-    parts: list[Any] = []
-    for stage in codec.stages:
-        parts.append(stage)
-        transform = getattr(stage, "transform", None)
-        if transform is not None:
-            parts.append(transform)
-    return all(type(p).__module__ in _DEVICE_MODULES for p in parts)
+    """Return whether every stage of ``codec`` declares that it runs on torch tensors on their device.
+
+    Each stage says so itself (``Codec.device_capable``); one that does not makes the whole codec
+    reduce device arrays through a host copy.
+    """
+    return all(stage.device_capable for stage in codec.stages)
 
 
 def device_space(comm: Communicator, codec: Codec, x: Any) -> _DeviceSpace | None:
@@ -736,7 +737,7 @@ def device_space(comm: Communicator, codec: Codec, x: Any) -> _DeviceSpace | Non
     if not arrays.is_device_array(x) or not has_device_kernels(codec):
         return None
     try:
-        like = _arrays.to_torch(x)  # cupy arrays run through torch (DLPack, zero copy)
+        like = arrays.to_torch(x)  # cupy arrays run through torch (DLPack, zero copy)
     except ImportError:
         return None
     return _DeviceSpace(like, staged=not comm.cuda_aware)

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays
-from .base import Codec, next_stream
+from ..comm import arrays
+from .base import Codec, kernels, next_stream
 from .formats import get_format
 
 __all__ = ["Fp8Codec", "Fp8Config"]
@@ -64,6 +64,8 @@ class Fp8Config:
 class Fp8Codec(Codec):
     """Encode to FP8 codes plus FP32 scales (1 byte per element + scales)."""
 
+    device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+
     def __init__(self, config: Fp8Config | None = None, **settings: Any) -> None:
         super().__init__()
         self.config = config if config is not None else Fp8Config(**settings)
@@ -88,13 +90,13 @@ class Fp8Codec(Codec):
         return int(n) + 4 * self._nscales(int(n))
 
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
-        k = _arrays.kernels(_arrays.kind_of(x))
+        k = kernels(arrays.kind_of(x))
         n = int(x.shape[0])
         fmt, c = self.format, self.config
         sr = c.rounding == "sr"
         stream = next_stream(self.state, c.seed, key) if sr else 0
         if c.block:
-            scales = _arrays.empty_f32(x, self._nscales(n))
+            scales = arrays.empty_f32(x, self._nscales(n))
             k.encode_blocks(x, out[:n], scales, c.block, fmt.kernel_params(), fmt.max_finite, SCALE_FLOOR, sr=sr, stream=stream)
         else:
             scales = k.tensor_scale(k.amax(x), fmt.max_finite, SCALE_FLOOR)
@@ -112,7 +114,7 @@ class Fp8Codec(Codec):
         if c.block or c.rounding == "sr" or not isinstance(x, np.ndarray):
             return False
         n = int(x.shape[0])
-        k = _arrays.kernels("numpy")
+        k = kernels("numpy")
         scale = k.feedback_encode_scaled(x, residual, y, out[:n], self.format.kernel_params(), self.format.max_finite,
                                          SCALE_FLOOR)
         if scale is None:
@@ -121,12 +123,12 @@ class Fp8Codec(Codec):
         return True
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        k = _arrays.kernels(_arrays.kind_of(buf))
+        k = kernels(arrays.kind_of(buf))
         scales = k.get_f32(buf[n:])
         k.decode_blocks(buf[:n], scales, self.config.block or n, self.format.lut(), out)
         return out
 
     def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        k = _arrays.kernels(_arrays.kind_of(buf))
+        k = kernels(arrays.kind_of(buf))
         scales = k.get_f32(buf[n:])
         k.decode_blocks_add(buf[:n], scales, self.config.block or n, self.format.lut(), out)

@@ -17,10 +17,9 @@ so W S⁻¹ = σ'^(-1/2) W + (W U) diag(λ'^(-1/2) − σ'^(-1/2)) Uᵀ costs O(
 Why S⁻¹: a gradient is a dual object. Its natural (Fisher-inverse) norm is
 ||W L_A⁻ᵀ||_F, the norm of exactly the whitened coordinates, so a
 relative-precision format whose error is spread evenly over W̃ spreads it
-evenly in that norm. (An option ``primal=1`` that sent W S instead — error
-even in the primal A-norm — was removed: mapped back through S⁻¹ its error is
-amplified in the weak input directions, Euclidean error 4.72 on real LM
-gradients, issue #17.)
+evenly in that norm. Sending W S instead would even the error out in the primal
+A-norm, but mapped back through S⁻¹ that error is amplified in the weak input
+directions.
 
 Scale normalisation: c = sqrt(trace(A) / trace(A Â⁻¹)). For a gradient
 W = δ aᵀ with a ~ A, E||c W S⁻¹||² = E||W||², so the whitened tensor keeps
@@ -95,7 +94,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import _arrays
+from .._validate import positive_int
+from ..comm import arrays
 from .base import Codec, CodecState, Span, Wrapper
 from .casts import CastCodec
 from .formats import FloatFormat
@@ -107,11 +107,6 @@ __all__ = ["Gift", "GiftConfig", "GiftFactor", "factor_from_gram", "range_hits",
 _META = ("gift", "meta")
 SPEC_OPTIONS = ("rank", "refresh", "ef", "profile", "top")
 """GiftConfig fields that a spec string may set."""
-_PRIMAL_REMOVED = (
-    "gift option primal=1 was removed: it sent W S, whose error is even in the primal A-norm, but a gradient "
-    "is a dual object whose natural norm is the A^-1 one that the paper's W S^-1 whitening evens out; mapped "
-    "back through S^-1 the primal error grew in the weak input directions (Euclidean error 4.72 on real LM "
-    "gradients, issue #17). Drop the option")
 
 
 class Collective(Protocol):
@@ -147,12 +142,11 @@ class GiftConfig:
     """Scale the whitened tensor by c = sqrt(tr A / tr(A Â⁻¹)) so that it keeps the gradient's magnitude."""
 
     def __post_init__(self) -> None:
-        for name in ("rank", "refresh", "profile", "top"):
+        for name in ("rank", "profile", "top"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"GiftConfig.{name}={value!r}; use a non-negative int")
-        if self.refresh < 1:
-            raise ValueError(f"GiftConfig.refresh={self.refresh!r}; use an int >= 1 (steps between refreshes)")
+        positive_int("GiftConfig.refresh", self.refresh, extra="(steps between refreshes)")
         if not isinstance(self.damping, (int, float)) or not 0.0 < float(self.damping) < 1.0:
             raise ValueError(f"GiftConfig.damping={self.damping!r}; use a float in (0, 1), e.g. 1e-3")
         for name in ("ef", "normalise"):
@@ -387,12 +381,6 @@ class Gift(Wrapper):
     def from_spec(cls, codec: Codec, **options: int) -> Gift:
         """Build the stage from spec options (``ef`` given as 0/1); the registry's ``gift`` factory."""
         options = dict(options)
-        if "primal" in options:  # removed; primal=0 (the only orientation now) is still accepted
-            value = options.pop("primal")
-            if value == 1:
-                raise ValueError(_PRIMAL_REMOVED)
-            if value != 0:
-                raise ValueError(f"gift option primal={value!r} is not valid (the option was removed); drop it")
         unknown = sorted(set(options) - set(SPEC_OPTIONS))
         if unknown:
             raise ValueError(f"gift options {unknown} are not spec options (those are {', '.join(SPEC_OPTIONS)}); "
@@ -421,8 +409,7 @@ class Gift(Wrapper):
     # ------------------------------------------------------------------ statistics
     def declare(self, name: str, d_in: int) -> None:
         """Declare the weight ``name`` (input width ``d_in``) as a candidate for the transform."""
-        if not isinstance(d_in, (int, np.integer)) or d_in < 1:
-            raise ValueError(f"d_in={d_in!r} of layer {name!r} must be a positive int")
+        positive_int("d_in", d_in, extra=f"(the input width of layer {name!r})")
         candidate = self.config.layers is None or name in self.config.layers
         if candidate and self.config.rank > d_in:
             raise ValueError(f"GIFT rank={self.config.rank} is larger than the input width {d_in} of layer "
@@ -447,8 +434,7 @@ class Gift(Wrapper):
         g = np.asarray(gram, dtype=np.float64)
         if g.ndim != 2 or g.shape[0] != g.shape[1]:
             raise ValueError(f"gram of layer {name!r} must be square (d_in x d_in), got shape {g.shape}")
-        if not isinstance(count, (int, np.integer)) or count < 1:
-            raise ValueError(f"count={count!r} for layer {name!r} must be a positive int (rows summed)")
+        positive_int("count", count, extra=f"(the input rows summed for layer {name!r})")
         self.declare(name, g.shape[0])
         with self._lock:
             slot = self.state.slot(("gift", "stats", name))
@@ -734,7 +720,7 @@ class Gift(Wrapper):
             y = x + residual[off:off + n]
         self.codec._encode(y, out, key)
         if residual is not None:
-            decoded = self.codec._decode(out, n, _arrays.empty_f32(x, n))
+            decoded = self.codec._decode(out, n, arrays.empty_f32(x, n))
             err = (y - decoded) * live.mask[off:off + n]
             residual[off:off + n] = _finite(err)
         if live.members:
@@ -788,7 +774,7 @@ def _address(a: Any) -> int:
 
 def _offset_in(x: Any, base: Any) -> int | None:
     """Return where the contiguous float32 chunk ``x`` starts inside ``base`` (None if outside)."""
-    if type(x) is not type(base) or _arrays.dtype_name(x) != "float32":
+    if type(x) is not type(base) or arrays.dtype_name(x.dtype) != "float32":
         return None
     if not isinstance(x, np.ndarray) and x.device != base.device:
         return None

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays
+from ..comm import arrays
 from .pipeline import Transform
 
 __all__ = ["HadamardConfig", "HadamardTransform"]
@@ -48,6 +48,8 @@ def _sylvester(size: int) -> np.ndarray:
 
 class HadamardTransform(Transform):
     """Rotate blocks of ``size`` elements by a fixed random-signed Hadamard matrix."""
+
+    device_capable = True  # a matrix product on the tensor's device
 
     def __init__(self, config: HadamardConfig | None = None, **settings: Any) -> None:
         super().__init__()
@@ -90,7 +92,7 @@ class HadamardTransform(Transform):
 
     def forward(self, x: Any, key: Hashable) -> Any:
         """Return the rotated copy of ``x``: each full block times D·H/sqrt(size)."""
-        return self._apply(x, _arrays.empty_f32(x, int(x.shape[0])), transpose=False)
+        return self._apply(x, arrays.empty_f32(x, int(x.shape[0])), transpose=False)
 
     def inverse(self, y: Any, out: Any) -> Any:
         """Write the inverse rotation of ``y`` into ``out``: each full block times (D·H/sqrt(size))ᵀ."""

@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
-from . import _arrays
-from .base import Codec, next_stream
+from ..comm import arrays
+from .base import Codec, kernels, next_stream
 from .formats import get_format
 
 __all__ = ["Nvfp4Codec", "Nvfp4Config"]
@@ -52,6 +52,8 @@ class Nvfp4Config:
 class Nvfp4Codec(Codec):
     """Encode to NVFP4 (0.5625 bytes per element + 4 bytes per tensor)."""
 
+    device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+
     def __init__(self, config: Nvfp4Config | None = None, **settings: Any) -> None:
         super().__init__()
         self.config = config if config is not None else Nvfp4Config(**settings)
@@ -75,7 +77,7 @@ class Nvfp4Codec(Codec):
         return -(-n // 2) + -(-n // BLOCK) + 4
 
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
-        k = _arrays.kernels(_arrays.kind_of(x))
+        k = kernels(arrays.kind_of(x))
         n = int(x.shape[0])
         npacked, nb = -(-n // 2), -(-n // BLOCK)
         sr = self.config.rounding == "sr"
@@ -95,7 +97,7 @@ class Nvfp4Codec(Codec):
         self._run_decode(buf, n, out, "nvfp4_decode_add")
 
     def _run_decode(self, buf: Any, n: int, out: Any, kernel: str) -> None:
-        k = _arrays.kernels(_arrays.kind_of(buf))
+        k = kernels(arrays.kind_of(buf))
         npacked, nb = -(-n // 2), -(-n // BLOCK)
         sg = k.get_f32(buf[npacked + nb :])[0]
         getattr(k, kernel)(buf[:npacked], buf[npacked : npacked + nb], sg, self.scale.lut(), self.elem.lut(), out)

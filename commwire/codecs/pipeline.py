@@ -13,7 +13,7 @@ import abc
 from collections.abc import Hashable
 from typing import Any
 
-from . import _arrays
+from ..comm import arrays
 from .base import Codec, CodecState, Wrapper
 
 __all__ = ["Transform", "Pipeline", "pipeline"]
@@ -24,6 +24,9 @@ class Transform(abc.ABC):
 
     lossless: bool = False
     """True when inverse(forward(x)) == x exactly in float32."""
+
+    device_capable: bool = False
+    """True when forward and inverse run on torch tensors on their device (see ``Codec.device_capable``)."""
 
     def __init__(self) -> None:
         self.state = CodecState()
@@ -56,22 +59,19 @@ class Pipeline(Wrapper):
         self.codec = codec
         self.state = transform.state  # the pipeline's own state is its transform's
         self.lossless = transform.lossless and codec.lossless
+        # This stage's own work is the transform's; the codec's stages declare theirs.
+        self.device_capable = transform.device_capable
 
     @property
     def spec(self) -> str:
         """Return ``"<transform>+<codec>"``."""
         return f"{self.transform.spec}+{self.codec.spec}"
 
-
-
-
-
-
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
         self.codec._encode(self.transform.forward(x, key), out, key)
 
     def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        y = self.codec._decode(buf, n, _arrays.empty_f32(out, n))
+        y = self.codec._decode(buf, n, arrays.empty_f32(out, n))
         return self.transform.inverse(y, out)
 
 

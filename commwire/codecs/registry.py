@@ -20,6 +20,8 @@ Wrapper stages (each wraps everything to its right):
 - ``ef``: error feedback (state keyed by the ``key`` passed to encode).
 - ``hadamard``: random Hadamard rotation; ``size=N`` (power of two, default 16),
   ``seed=N`` (shared signs, default 0).
+- ``gift``: input-whitened weight gradients (:mod:`commwire.codecs.gift`); ``rank=N``,
+  ``refresh=N``, ``ef=0/1``, ``profile=N``, ``top=N``.
 
 Flags: ``sr`` means ``rounding=sr``; ``rne`` (the default) means ``rounding=rne``.
 Names and options are case-insensitive. ``codec.spec`` is the canonical form
@@ -36,6 +38,7 @@ from .base import Codec
 from .casts import CastCodec, IdentityCodec
 from .feedback import ErrorFeedback
 from .fp8 import Fp8Codec
+from .gift import Gift
 from .hadamard import HadamardTransform
 from .nvfp4 import Nvfp4Codec
 from .pipeline import Pipeline
@@ -45,8 +48,24 @@ __all__ = ["get", "register_codec", "register_stage", "available"]
 CodecFactory = Callable[..., Codec]
 StageFactory = Callable[..., Codec]
 
-_CODECS: dict[str, CodecFactory] = {}
-_STAGES: dict[str, StageFactory] = {}
+# Built-in codecs and wrapper stages: the registry starts with these; register_codec/register_stage add more.
+_BUILTIN_CODECS: dict[str, CodecFactory] = {
+    "none": IdentityCodec,
+    "identity": IdentityCodec,
+    "fp16": lambda: CastCodec(format="fp16"),
+    "bf16": lambda: CastCodec(format="bf16"),
+    "fp8-e4m3": lambda **options: Fp8Codec(format="e4m3", **options),
+    "fp8-e5m2": lambda **options: Fp8Codec(format="e5m2", **options),
+    "nvfp4": Nvfp4Codec,
+}
+_BUILTIN_STAGES: dict[str, StageFactory] = {
+    "ef": ErrorFeedback,
+    "hadamard": lambda inner, **options: Pipeline(HadamardTransform(**options), inner),
+    "gift": Gift.from_spec,
+}
+
+_CODECS: dict[str, CodecFactory] = dict(_BUILTIN_CODECS)
+_STAGES: dict[str, StageFactory] = dict(_BUILTIN_STAGES)
 _FLAGS = {"sr": ("rounding", "sr"), "rne": ("rounding", "rne")}
 
 
@@ -141,18 +160,3 @@ def get(spec: str | Codec | None) -> Codec:
             )
         codec = _build(_STAGES[name], name, options, spec, codec)
     return codec
-
-
-register_codec("none", IdentityCodec)
-register_codec("identity", IdentityCodec)
-register_codec("fp16", lambda: CastCodec(format="fp16"))
-register_codec("bf16", lambda: CastCodec(format="bf16"))
-register_codec("fp8-e4m3", lambda **options: Fp8Codec(format="e4m3", **options))
-register_codec("fp8-e5m2", lambda **options: Fp8Codec(format="e5m2", **options))
-register_codec("nvfp4", Nvfp4Codec)
-register_stage("ef", ErrorFeedback)
-register_stage("hadamard", lambda inner, **options: Pipeline(HadamardTransform(**options), inner))
-
-from .gift import Gift  # noqa: E402  # GIFT stage (commwire/codecs/gift.py): "gift+fp8-e4m3"
-
-register_stage("gift", Gift.from_spec)

@@ -5,6 +5,7 @@ from .communicator import REDUCE_OPS, Communicator
 from .handle import Handle
 from .runtime import (
     cuda_aware,
+    default_comm,
     finalize,
     init,
     install_abort_hook,
@@ -25,6 +26,7 @@ __all__ = [
     "Handle",
     "REDUCE_OPS",
     "cuda_aware",
+    "default_comm",
     "finalize",
     "init",
     "install_abort_hook",

@@ -19,6 +19,11 @@ waits for it when the handle is waited for.
 device paths (and their agreement) run and are tested on machines without a GPU:
 mpi4py takes torch CPU tensors as buffers (DLPack) as it takes CUDA ones.
 
+The codec kernels take flat float32 vectors and uint8 buffers of the input's
+kind and device (:func:`flat_f32`, :func:`empty_u8`, :func:`empty_f32`,
+:func:`restore`); cupy arrays reach them as torch tensors through DLPack
+(:func:`to_torch`, :func:`from_torch`).
+
 torch and cupy are imported lazily, only when such an array is passed in.
 """
 
@@ -37,16 +42,29 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "Adapter",
     "DeviceOps",
+    "FLOAT_NAMES",
     "Invalid",
     "StreamOrder",
     "adapter_for",
+    "array_module",
     "check_dtype",
+    "copy",
     "cpu_standin",
     "device_ops",
     "dtype_name",
+    "empty_f32",
+    "empty_u8",
+    "flat_f32",
+    "from_torch",
     "host_view",
     "is_device_array",
+    "kind_of",
+    "nbytes",
+    "restore",
     "stream_order",
+    "to_torch",
+    "zeros",
+    "zeros_like",
 ]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -61,9 +79,141 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 HALF_DTYPES = frozenset((np.dtype(np.float16), BFLOAT16))
 
 
+# ------------------------------------------------------------------ generic array helpers
+# Small operations every layer needs on numpy arrays, torch tensors and cupy arrays alike.
+def kind_of(x: Any) -> str:
+    """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array, else raise TypeError."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    module = type(x).__module__.split(".")[0]
+    if module in ("torch", "cupy"):
+        return module
+    raise TypeError(f"expected a numpy array, torch tensor or cupy array, got {type(x).__name__}; "
+                    "convert with numpy.asarray(x)")
+
+
+def array_module(x: Any) -> Any:
+    """Return the module whose functions apply to ``x``: numpy, torch or cupy."""
+    kind = kind_of(x)
+    if kind == "numpy":
+        return np
+    return sys.modules[kind] if kind in sys.modules else __import__(kind)
+
+
+def nbytes(x: Any) -> int:
+    """Return the bytes ``x``'s elements occupy."""
+    return int(x.nbytes) if not hasattr(x, "element_size") else x.numel() * x.element_size()
+
+
+def zeros(like: Any, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
+    """Return zeros of ``shape`` of ``like``'s kind and device, in ``dtype`` (default: ``like``'s)."""
+    if isinstance(like, np.ndarray) or kind_of(like) == "cupy":
+        return array_module(like).zeros(shape, dtype=like.dtype if dtype is None else dtype)
+    import torch
+
+    return torch.zeros(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def zeros_like(x: Any) -> Any:
+    """Return zeros of ``x``'s shape, dtype, kind and device (detached from autograd)."""
+    return zeros(x, tuple(x.shape))
+
+
+def copy(x: Any) -> Any:
+    """Return an independent copy of ``x`` (detached from autograd for torch tensors)."""
+    return x.detach().clone() if kind_of(x) == "torch" else x.copy()
+
+
+_dtype_names: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """Return a short printable name for a numpy/torch/cupy dtype."""
-    return str(dtype).replace("torch.", "")
+    """Return the short name of a numpy/torch/cupy dtype (``"float32"``, ``"bfloat16"``, ``"int64"``)."""
+    # str() of a dtype takes microseconds, as long as a small codec kernel: cache it per dtype.
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+# ------------------------------------------------------------------ flat float32 work vectors
+# The codec kernels take flat float32 vectors and uint8 buffers: numpy arrays on the host,
+# torch tensors on any device. cupy arrays are viewed as torch tensors through DLPack (zero
+# copy) and results are viewed back, so cupy needs no kernels of its own.
+FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+"""Names (:func:`dtype_name`) of the element types that codecs encode."""
+
+
+def _torch() -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("torch tensors need torch: pip install 'commwire[torch]'") from None
+    return torch
+
+
+def to_torch(x: Any) -> Any:
+    """View a cupy array as a torch tensor (DLPack, zero copy); pass torch tensors through."""
+    torch = _torch()
+    return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
+def from_torch(t: Any, kind: str) -> Any:
+    """Return ``t`` as the array kind it came from (cupy via DLPack)."""
+    if kind == "cupy":
+        import cupy
+
+        return cupy.from_dlpack(t)
+    return t
+
+
+def flat_f32(x: Any, kind: str) -> Any:
+    """Return a contiguous 1-D float32 copy or view of ``x`` (numpy, or torch for torch and cupy)."""
+    if kind == "numpy":
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    torch = _torch()
+    return to_torch(x).reshape(-1).to(torch.float32).contiguous()
+
+
+def empty_u8(like: Any, n: int) -> Any:
+    """Allocate ``n`` uninitialised bytes (uint8) on the same device as ``like``."""
+    if isinstance(like, np.ndarray):
+        return np.empty(n, np.uint8)
+    torch = _torch()
+    return torch.empty(n, dtype=torch.uint8, device=like.device)
+
+
+def empty_f32(like: Any, n: int) -> Any:
+    """Allocate an uninitialised float32 vector of ``n`` elements on the same device as ``like``."""
+    if isinstance(like, np.ndarray):
+        return np.empty(n, np.float32)
+    torch = _torch()
+    return torch.empty(n, dtype=torch.float32, device=like.device)
+
+
+def restore(flat: Any, shape: tuple[int, ...], dtype: str, kind: str, out: Any = None) -> Any:
+    """Reshape a float32 vector to ``shape`` and cast it to the dtype named ``dtype``, into ``out`` if given."""
+    if kind == "numpy":
+        target = np.dtype(dtype) if hasattr(np, dtype) else np.dtype(getattr(ml_dtypes, dtype))
+        result = flat.reshape(shape)
+        if out is not None:
+            if out.shape != tuple(shape):
+                raise ValueError(f"out has shape {out.shape}, the payload holds shape {tuple(shape)}")
+            np.copyto(out, result, casting="unsafe")
+            return out
+        return result if target == np.float32 else result.astype(target)
+    torch = _torch()
+    result = flat.reshape(shape).to(getattr(torch, dtype))
+    if out is not None:
+        target = to_torch(out)
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(f"out has shape {tuple(target.shape)}, the payload holds shape {tuple(shape)}")
+        target.copy_(result)
+        return out
+    return from_torch(result, kind)
 
 
 def check_dtype(dtype: np.dtype) -> None:

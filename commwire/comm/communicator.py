@@ -13,7 +13,7 @@ every rank of the collective together, and the next collective pairs up:
   the exchange and remembers the agreed signature. Later calls carry only a
   deviation flag: every rank runs the data movement with the remembered
   signature — a rank whose arguments deviate, or are invalid, moves zeros —
-  and the flag travels in the same buffer (all-reduces up to 16 KiB, so the
+  and the flag travels in the same buffer (all-reduces up to 128 KiB, so the
   latency-bound case costs one message) or in a tiny all-reduce overlapped
   with the data. A raised flag sends every rank to the full exchange: either
   every rank changed its arguments alike (a new shape for the same name; the
@@ -55,7 +55,8 @@ from .reduce import REDUCE_OPS, check_reduction, flag_values, mpi_op, normalize_
 from .stats import Counters
 from .timeline import Timeline
 
-__all__ = ["Communicator", "REDUCE_OPS", "split_rows", "live_communicators"]
+__all__ = ["Communicator", "REDUCE_OPS", "split_rows", "live_communicators", "check_out", "describe", "device_of",
+           "op_label"]
 
 _FUSED_BYTES = 128 << 10
 """All-reduces up to this many (work-dtype) bytes carry their deviation flag in their own buffer.
@@ -412,8 +413,8 @@ class Communicator:
             plan = _Reduction(self, x, op, out)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it (see _guarded)
             error = exc
-        sig = plan.sig(name) if plan is not None else ("allreduce", name, *_describe(x), _op_label(op), None, None,
-                                                        _device_of(x))
+        sig = plan.sig(name) if plan is not None else ("allreduce", name, *describe(x), op_label(op), None, None,
+                                                       device_of(x))
         mpi = self.mpi
 
         def run() -> Any:
@@ -468,9 +469,9 @@ class Communicator:
                 send = send.reshape(1)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
-        trailing = tuple(send.shape[1:]) if send is not None else _describe(x)[0]
-        sig = ("allgather", name, trailing, dtype_name(dtype) if send is not None else _describe(x)[1],
-               None, None, None, _device_of(x))
+        trailing = tuple(send.shape[1:]) if send is not None else describe(x)[0]
+        sig = ("allgather", name, trailing, dtype_name(dtype) if send is not None else describe(x)[1],
+               None, None, None, device_of(x))
         mpi = self.mpi
 
         def gather(rows: int, buf: Any, row_shape: tuple[int, ...], dtype: np.dtype, dev: DeviceOps | None) -> Any:
@@ -513,11 +514,11 @@ class Communicator:
         try:
             self._check_root(root)
             dev, send, np_dtype, adapter = self._send_buffer(x)
-            _check_out(x, out, "broadcast")
+            check_out(x, out, "broadcast")
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
-        shape, dtype = (tuple(send.shape), dtype_name(np_dtype)) if send is not None else _describe(x)
-        sig = ("broadcast", name, shape, dtype, None, root, None, _device_of(x))
+        shape, dtype = (tuple(send.shape), dtype_name(np_dtype)) if send is not None else describe(x)
+        sig = ("broadcast", name, shape, dtype, None, root, None, device_of(x))
 
         def run() -> Any:
             assert send is not None
@@ -603,7 +604,7 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error, plan = exc, None
         sig = plan.sig(name, "reduce_scatter") if plan is not None else (
-            "reduce_scatter", name, *_describe(x), _op_label(op), None, None, _device_of(x))
+            "reduce_scatter", name, *describe(x), op_label(op), None, None, device_of(x))
         if counts is not None:
             sig = sig[:6] + (tuple(int(c) for c in np.asarray(counts).reshape(-1)),) + sig[7:]
 
@@ -662,8 +663,8 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
         shape, dtype = (tuple(send.shape[1:]), dtype_name(np_dtype)) if send is not None and send.ndim else \
-            _describe(x)
-        sig = ("alltoall", name, shape, dtype, None, None, None, _device_of(x))
+            describe(x)
+        sig = ("alltoall", name, shape, dtype, None, None, None, device_of(x))
         mpi = self.mpi
 
         def exchange_rows(rows: np.ndarray, buf: Any, row_shape: tuple[int, ...], dtype: np.dtype,
@@ -819,7 +820,7 @@ class _Reduction:
             self.dtype = self.send.dtype
         check_dtype(self.dtype)
         check_reduction(self.op, self.dtype)
-        _check_out(x, out, "allreduce")
+        check_out(x, out, "allreduce")
         self.wire, self.mop, self.ordered = _wire(self.dtype, self.op, on_device)
         self.average = self.op == "avg"
         self.shape = tuple(x.shape)
@@ -991,25 +992,27 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return int(np.prod(shape, dtype=np.int64)) * _np_dtype(dtype).itemsize
 
 
-def _describe(x: Any) -> tuple[Any, Any]:
+def describe(x: Any) -> tuple[Any, Any]:
     """Return (shape, dtype name) of whatever ``x`` is, for error messages."""
     shape = getattr(x, "shape", None)
     dtype = getattr(x, "dtype", None)
     return (tuple(shape) if shape is not None else type(x).__name__, dtype_name(dtype) if dtype is not None else None)
 
 
-def _device_of(x: Any) -> str:
+def device_of(x: Any) -> str:
+    """Return ``"cuda"`` for a device array (or a stand-in for one), else ``"cpu"``: part of a call's signature."""
     return "cuda" if arrays.is_device_array(x) else "cpu"
 
 
-def _op_label(op: Any) -> Any:
+def op_label(op: Any) -> Any:
+    """Return the canonical name of a reduction ``op`` (``"sum"``, ``"avg"``, ...), or ``op`` itself if unknown."""
     try:
         return normalize_op(op)
     except ValueError:
         return op
 
 
-def _check_out(x: Any, out: Any, opname: str) -> None:
+def check_out(x: Any, out: Any, opname: str) -> None:
     """Raise ValueError unless ``out`` can hold the result of ``opname`` on ``x``."""
     if out is None or out is x:
         return

@@ -20,16 +20,15 @@ import time
 from typing import Any
 
 from .. import _config
+from .rankenv import launcher_ranks
 
 __all__ = ["record", "start_guardian", "summarize", "env_rank"]
 
 
 def env_rank() -> str:
-    """Return this process's rank as the launcher announced it (before MPI starts)."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"):
-        if var in os.environ:
-            return os.environ[var]
-    return "?"
+    """Return this process's rank as the launcher announced it (before MPI starts), or ``"?"``."""
+    rank = launcher_ranks().rank
+    return "?" if rank is None else str(rank)
 
 
 def record(status: str, detail: str = "") -> None:

@@ -34,6 +34,9 @@ __all__ = [
     "thread_level",
     "cuda_aware",
     "install_abort_hook",
+    "report_and_abort",
+    "abort_world",
+    "default_comm",
 ]
 
 THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
@@ -238,11 +241,35 @@ def is_initialized() -> bool:
     return _world is not None
 
 
+_NOT_INITIALISED = "commwire is not initialised: call commwire.init() first (hvd.init() with commwire.torch)"
+
+
 def world() -> Communicator:
-    """Return the world communicator; raise if ``init()`` has not been called."""
+    """Return the world communicator; raise RuntimeError if ``init()`` has not been called."""
     if _world is None:
-        raise RuntimeError("commwire is not initialised: call commwire.init() first")
+        raise RuntimeError(_NOT_INITIALISED)
     return _world
+
+
+def default_comm(comm: Communicator | None = None, *, init_if_needed: bool = False) -> Communicator:
+    """Return ``comm``, or the world communicator when ``comm`` is None: every adapter finds its communicator here.
+
+    Args:
+        comm: the communicator the caller was given, if any (returned as is).
+        init_if_needed: when commwire is not initialised, call ``init()`` (its defaults and
+            environment fallbacks) instead of raising. Only the GLM solvers and estimators ask for
+            this: their documented quick start, ``GLM(...).fit(X, y)``, is a plain script without
+            ``init()``, as scikit-learn code is. Collectives, the fusion buffer, schedules,
+            checkpoints and the torch adapters raise, as Horovod's do before ``hvd.init()``.
+
+    Raises:
+        RuntimeError: commwire is not initialised and ``init_if_needed`` is False.
+    """
+    if comm is not None:
+        return comm
+    if _world is None and init_if_needed:
+        return init()
+    return world()
 
 
 def rank() -> int:
@@ -287,7 +314,7 @@ def cuda_aware() -> bool:
 
 
 def _detect_cuda_aware() -> bool:
-    setting = _config.env_choice("COMMWIRE_CUDA_AWARE", ("auto", "0", "1"), "auto")
+    setting = _config.cuda_aware_setting()
     if setting != "auto":
         return setting == "1"
     return query_mpi_cuda_support()
@@ -326,29 +353,37 @@ def install_abort_hook() -> None:
         return
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        _report_and_abort("".join(traceback.format_exception(exc_type, exc, tb)))
+        report_and_abort("".join(traceback.format_exception(exc_type, exc, tb)))
 
     def thread_hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_type is SystemExit:
             return
         text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
-        _report_and_abort(f"in thread {getattr(args.thread, 'name', '?')}:\n{text}")
+        report_and_abort(f"in thread {getattr(args.thread, 'name', '?')}:\n{text}")
 
     hook._commwire = True  # type: ignore[attr-defined]
     sys.excepthook = hook
     threading.excepthook = thread_hook
 
 
-def _report_and_abort(text: str, status: str = "raised") -> None:
+def report_and_abort(text: str, status: str = "raised") -> None:
+    """Record ``status`` in this rank's status file, print the rank and ``text`` to stderr, and abort the job.
+
+    The rank comes from MPI when it is running, else from the launcher's variables
+    (a failure before ``init()``); ``text`` is usually a traceback.
+    """
     from mpi4py import MPI
 
+    from .rankenv import launcher_ranks
     from .ranklog import record
 
     record(status, text.strip().splitlines()[-1] if text.strip() else "")
 
-    who, total = _rank_from_env()
     if MPI.Is_initialized() and not MPI.Is_finalized():
         who, total = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    else:
+        announced = launcher_ranks()
+        who, total = ("?" if v is None else v for v in (announced.rank, announced.size))
     sys.stdout.flush()
     stream = _report_stream()
     stream.write(f"commwire: rank {who} of {total} raised an unhandled exception; aborting the job\n{text}")
@@ -383,11 +418,3 @@ def abort_world(code: int, grace: float = 5.0) -> None:
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
-
-
-def _rank_from_env() -> tuple[str, str]:
-    for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                 ("SLURM_PROCID", "SLURM_NTASKS")):
-        if r in os.environ:
-            return os.environ[r], os.environ.get(s, "?")
-    return "?", "?"

@@ -11,6 +11,7 @@ from sklearn.base import BaseEstimator
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.validation import check_is_fitted
 
+from ..comm.runtime import default_comm
 from . import _losses
 from .data import ColumnBlocks, column_ranges, from_array
 from .solver import SolverConfig, check_targets, margins, objective, solve
@@ -174,10 +175,7 @@ class GLM(BaseEstimator):
         X may be a scipy sparse matrix: each rank densifies its own column block, up to
         ``SPARSE_DENSE_BYTES`` (1 GiB) per rank, and raises above that.
         """
-        if comm is None:
-            import commwire as cw
-
-            comm = cw.init()
+        comm = default_comm(comm, init_if_needed=True)
         blocks = self._blocks(X, y, comm)
         code = _losses.loss_code(self.loss)
         labels = np.asarray(blocks.y.get() if hasattr(blocks.y, "get") else blocks.y)
@@ -214,11 +212,7 @@ class GLM(BaseEstimator):
         return state
 
     def _communicator(self) -> Any:
-        comm = getattr(self, "_comm", None)
-        if comm is None:
-            import commwire as cw
-
-            comm = self._comm = cw.init()
+        comm = self._comm = default_comm(getattr(self, "_comm", None), init_if_needed=True)
         return comm
 
     def _local(self, X: Any) -> tuple[ColumnBlocks, np.ndarray]:

@@ -7,6 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import positive_int
+from ..comm.runtime import default_comm
+
 __all__ = ["ColumnBlocks", "column_ranges", "from_array", "load_npy", "load_svmlight"]
 
 
@@ -42,18 +45,9 @@ class ColumnBlocks:
         return int(self.X.shape[0])
 
 
-def _resolve(comm: Any) -> Any:
-    if comm is None:
-        import commwire as cw
-
-        return cw.init()
-    return comm
-
-
 def column_ranges(n_features: int, n_parts: int) -> list[tuple[int, int]]:
     """Split n_features columns into n_parts contiguous ranges differing by at most one."""
-    if n_parts < 1:
-        raise ValueError(f"n_parts={n_parts} must be at least 1")
+    positive_int("n_parts", n_parts)
     base, extra = divmod(n_features, n_parts)
     bounds = np.cumsum([0] + [base + (p < extra) for p in range(n_parts)])
     return [(int(bounds[p]), int(bounds[p + 1])) for p in range(n_parts)]
@@ -65,11 +59,11 @@ def from_array(X: Any, y: Any, *, comm: Any = None, root: int | None = None) -> 
     Args:
         X: the full m x n array; with root set, only root's argument is read (others pass None).
         y: the m labels, likewise.
-        comm: the Communicator (None: the world).
+        comm: the Communicator (None: the world, initialising commwire if needed).
         root: None when every rank holds X and y; else the rank that holds them and
             sends each rank its block (one-off setup traffic, not a training message).
     """
-    comm = _resolve(comm)
+    comm = default_comm(comm, init_if_needed=True)
     if root is None:
         X = np.asarray(X) if not hasattr(X, "__cuda_array_interface__") else X
         if getattr(X, "ndim", None) != 2:
@@ -105,9 +99,9 @@ def load_npy(x_path: str, y_path: str, *, comm: Any = None) -> ColumnBlocks:
             columns, in rank order), or one file holding the full X that every rank
             maps and slices.
         y_path: the labels (.npy, length m), read by every rank.
-        comm: the Communicator (None: the world).
+        comm: the Communicator (None: the world, initialising commwire if needed).
     """
-    comm = _resolve(comm)
+    comm = default_comm(comm, init_if_needed=True)
     y = np.load(y_path)
     if "{rank}" in x_path:
         X = np.load(x_path.format(rank=comm.rank), mmap_mode="r")
@@ -130,13 +124,13 @@ def load_svmlight(path: str, *, comm: Any = None, n_features: int | None = None,
         path: a per-rank file with "{rank}" in the name whose feature indices are local
             to that rank's block (n_features then sets the block width, else the widest
             index read), or one file with the full X that every rank reads and slices.
-        comm: the Communicator (None: the world).
+        comm: the Communicator (None: the world, initialising commwire if needed).
         n_features: width of the file's feature space (per-rank files: of this block).
         zero_based: as in sklearn.datasets.load_svmlight_file.
     """
     from sklearn.datasets import load_svmlight_file
 
-    comm = _resolve(comm)
+    comm = default_comm(comm, init_if_needed=True)
     name = path.format(rank=comm.rank) if "{rank}" in path else path
     X_sparse, y = load_svmlight_file(name, n_features=n_features, zero_based=zero_based)
     if "{rank}" in path:

@@ -17,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs._threads import blas_threads
+from .._validate import positive_int
+from ..codecs import blas_threads
+from ..comm import arrays
+from ..comm.runtime import default_comm
 from ..schedules import SStepGram
 from . import _auto, _losses
 from ._auto import AutoS
@@ -75,15 +78,11 @@ class SolverConfig:
             if self.s != "auto":
                 raise ValueError(f"s={self.s!r} is not supported; give a positive integer (inner steps per Gram "
                                  f"exchange) or 'auto' (chosen from the measured link and Gram cost)")
-        elif isinstance(self.s, bool) or not isinstance(self.s, (int, np.integer)) or self.s < 1:
-            raise ValueError(f"s={self.s!r} must be a positive integer or 'auto'")
+        else:
+            positive_int("s", self.s, extra="or 'auto'")
         for name in ("batch_size", "max_iter", "n_iter_no_change"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(
-                self.max_steps, (int, np.integer)) or self.max_steps < 1):
-            raise ValueError(f"max_steps={self.max_steps!r} must be a positive integer or None")
+            positive_int(name, getattr(self, name))
+        positive_int("max_steps", self.max_steps, allow_none=True)
         if not (_is_real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr={self.lr!r} must be a positive finite number, e.g. lr=0.1")
         if not (_is_real(self.l2) and math.isfinite(self.l2) and self.l2 >= 0):
@@ -147,14 +146,6 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _array_module(x: Any) -> tuple[Any, str]:
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy, "cupy"
-    return np, "numpy"
-
-
 def batch_indices(m: int, b: int, n_steps: int, seed: int) -> np.ndarray:
     """Return the (n_steps, b) row indices the solvers visit: per epoch a seeded permutation, cut in batches."""
     stream = _BatchStream(m, b, seed, np)
@@ -187,14 +178,6 @@ class _BatchStream:
         view = self.buf[self.pos:self.pos + n]
         self.pos += n
         return view
-
-
-def _resolve(comm: Any) -> Any:
-    if comm is None:
-        import commwire as cw
-
-        return cw.init()
-    return comm
 
 
 def check_targets(code: int, y: Any) -> np.ndarray:
@@ -285,7 +268,7 @@ class _Engine:
     def __init__(self, blocks: ColumnBlocks, y: np.ndarray, cfg: SolverConfig, comm: Any,
                  store: Any = None, check: bool = True) -> None:
         """Allocate a run's buffers; ``store``: X as _store keeps it (shared), ``check``: stop on divergence."""
-        xp, xp_name = _array_module(blocks.X)
+        xp, xp_name = arrays.array_module(blocks.X), arrays.kind_of(blocks.X)
         self.check = check
         prec = cfg.precision
         self.xp, self.cfg = xp, cfg
@@ -477,7 +460,7 @@ def _local_work(blocks: ColumnBlocks, y: np.ndarray, cfg: SolverConfig, store: A
     it); engines are kept per s and their weights zeroed before each timing.
     """
     m = int(blocks.X.shape[0])
-    stream = _BatchStream(m, cfg.batch_size, cfg.seed, _array_module(blocks.X)[0])
+    stream = _BatchStream(m, cfg.batch_size, cfg.seed, arrays.array_module(blocks.X))
     engines: dict[int, tuple[_Engine, float]] = {}
 
     def work(s: int, exchanges: int) -> float:
@@ -501,20 +484,20 @@ def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any
     Args:
         blocks: this rank's ColumnBlocks (see commwire.glm.data).
         config: the run's settings; keyword params override or replace it.
-        comm: the Communicator (None: the world).
+        comm: the Communicator (None: the world, initialising commwire if needed).
     """
     cfg = config if config is not None else SolverConfig(**params)
     if config is not None and params:
         cfg = dataclasses.replace(config, **params)
-    comm = _resolve(comm)
+    comm = default_comm(comm, init_if_needed=True)
     y = _check_blocks(blocks, cfg, comm)
     m = int(blocks.X.shape[0])
     with blas_threads():  # this rank's share of the cores, not one BLAS thread per core per rank
-        store = _store(blocks.X, cfg.precision, _array_module(blocks.X)[0])
+        store = _store(blocks.X, cfg.precision, arrays.array_module(blocks.X))
         auto = None
         if cfg.auto_s:
             auto = _auto.choose(comm, cfg.batch_size, m, cfg.precision.dtype("communication"),
-                                _local_work(blocks, y, cfg, store), xp=_array_module(blocks.X)[0])
+                                _local_work(blocks, y, cfg, store), xp=arrays.array_module(blocks.X))
             cfg = dataclasses.replace(cfg, s=auto.s)
         engine = _Engine(blocks, y, cfg, comm, store=store)
         if comm.size > 1:
@@ -528,7 +511,7 @@ def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any
 def margins(blocks: ColumnBlocks, coef: Any, intercept: float = 0.0, *, comm: Any = None,
             extra: float | None = None) -> tuple[np.ndarray, float | None]:
     """Return X w + intercept (all m rows, every rank) and the sum over ranks of `extra`, in one allreduce."""
-    comm = _resolve(comm)
+    comm = default_comm(comm, init_if_needed=True)
     X, m = blocks.X, blocks.X.shape[0]
     w = np.asarray(coef.get() if hasattr(coef, "get") else coef, dtype=np.float64)
     buf = np.zeros(m + 1)

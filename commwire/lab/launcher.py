@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
+from .._validate import positive_int
 from .netns import require_tools, status
 from .spec import HOST_IFACE, LabSpec
 
@@ -32,8 +33,7 @@ def placement(np: int, hosts: int) -> list[int]:
     Ranks 0..k-1 go to cw-h0, k..2k-1 to cw-h1, ..., like `mpiexec -ppn k` on a real
     cluster, so consecutive ranks share a host; the last used host may get fewer.
     """
-    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
-        raise ValueError(f"np must be a positive int, got {np!r}")
+    positive_int("np", np)
     per_host = math.ceil(np / hosts)
     counts = [min(per_host, np - i * per_host) for i in range(hosts)]
     return [count for count in counts if count > 0]

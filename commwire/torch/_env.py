@@ -8,20 +8,14 @@ bad value is an error naming the variable.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
+from .. import _config
+
 __all__ = ["HONOURED", "NO_EFFECT", "init_kwargs", "apply_at_init", "fusion_threshold_bytes"]
 
-HONOURED = {
-    "HOROVOD_FUSION_THRESHOLD": "bytes per fusion bucket of DistributedOptimizer (0: one all-reduce per tensor)",
-    "HOROVOD_TIMELINE": "Chrome-trace timeline path; 'DYNAMIC': none until hvd.start_timeline()",
-    "HOROVOD_DYNAMIC_PROCESS_SETS": "accepted: process sets may always be added after init",
-    "HOROVOD_STALL_CHECK_DISABLE": "1 turns commwire's stall watchdog off",
-    "HOROVOD_STALL_CHECK_TIME_SECONDS": "seconds before the stall watchdog reports (on_stall='warn')",
-    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "seconds before the stall watchdog aborts the job",
-}
+HONOURED = _config.HOROVOD_VARIABLES
 NO_EFFECT = {
     "HOROVOD_CYCLE_TIME": "commwire starts each collective when it is called; there is no negotiation cycle",
     "HOROVOD_TIMELINE_MARK_CYCLES": "there are no negotiation cycles to mark",
@@ -52,37 +46,24 @@ _LAUNCHER = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_
              "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_IFACE", "HOROVOD_ELASTIC")
 
 
-def _number(name: str, kind: type = float) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number; set it to e.g. {'67108864' if kind is int else '60'} "
-                         "or unset it") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must be >= 0")
-    return value
-
-
 def fusion_threshold_bytes() -> int | None:
     """Return HOROVOD_FUSION_THRESHOLD in bytes, or None when unset."""
-    return _number("HOROVOD_FUSION_THRESHOLD", int)
+    value = _config.env_number("HOROVOD_FUSION_THRESHOLD", int)
+    return None if value is None else int(value)
 
 
 def init_kwargs() -> dict[str, Any]:
     """Return ``commwire.init`` arguments implied by Horovod's variables (commwire's own win if set)."""
     kwargs: dict[str, Any] = {}
-    timeline = os.environ.get("HOROVOD_TIMELINE")
-    if timeline and timeline.upper() != "DYNAMIC" and "COMMWIRE_TIMELINE" not in os.environ:
+    timeline = _config.env_str("HOROVOD_TIMELINE")
+    if timeline and timeline.upper() != "DYNAMIC" and _config.env_str("COMMWIRE_TIMELINE") is None:
         kwargs["timeline"] = timeline
-    if "COMMWIRE_TIMEOUT" not in os.environ:
-        if os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0").strip() not in ("", "0"):
+    if _config.env_str("COMMWIRE_TIMEOUT") is None:
+        if (_config.env_str("HOROVOD_STALL_CHECK_DISABLE") or "0").strip() not in ("", "0"):
             kwargs["timeout"] = 0.0
-        elif (shutdown := _number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")) is not None and shutdown > 0:
+        elif (shutdown := _config.env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")) is not None and shutdown > 0:
             kwargs["timeout"], kwargs["on_stall"] = shutdown, "abort"
-        elif (check := _number("HOROVOD_STALL_CHECK_TIME_SECONDS")) is not None and check > 0:
+        elif (check := _config.env_number("HOROVOD_STALL_CHECK_TIME_SECONDS")) is not None and check > 0:
             kwargs["timeout"], kwargs["on_stall"] = check, "warn"
     return kwargs
 
@@ -91,10 +72,9 @@ def apply_at_init() -> None:
     """Validate the honoured variables and warn once about those without effect."""
     fusion_threshold_bytes()
     ignored = []
-    for name in sorted(k for k in os.environ if k.startswith("HOROVOD_")):
+    for name, value in _config.set_variables("HOROVOD_").items():
         if name in HONOURED or name in _LAUNCHER:
             continue
-        value = os.environ[name]
         if name in NO_EFFECT:
             if name == "HOROVOD_TIMELINE_MARK_CYCLES" and value.strip() in ("", "0"):
                 continue

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..comm.communicator import Communicator
-from ..comm.runtime import is_initialized, world
+from ..comm.runtime import default_comm
 
 __all__ = ["DDPHookState", "ddp_hook", "init_process_group"]
 
@@ -56,10 +56,7 @@ def init_process_group(backend: str = "gloo", *, comm: Communicator | None = Non
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPUs)")
-    if not is_initialized() and comm is None:
-        raise RuntimeError("init_process_group needs commwire's MPI job: call commwire.init() (or hvd.init()) first, "
-                           "and launch with mpirun / commwire run / srun")
-    comm = comm if comm is not None else world()
+    comm = default_comm(comm)
     if dist.is_initialized():
         if dist.get_world_size() != comm.size or dist.get_rank() != comm.rank:
             raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
@@ -132,10 +129,7 @@ class DDPHookState:
         import torch.distributed as dist
 
         if self.comm is None:
-            if not is_initialized():
-                raise RuntimeError("the commwire DDP hook runs in commwire's MPI job: call commwire.init() (or "
-                                   "hvd.init()) before training, and launch with mpirun / commwire run / srun")
-            self.comm = world()
+            self.comm = default_comm()
         if not self._checked:
             if not dist.is_initialized() or dist.get_world_size() != self.comm.size or \
                     dist.get_rank() != self.comm.rank:

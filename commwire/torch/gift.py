@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._validate import positive_int
 from ..codecs.base import Codec
 from ..codecs.gift import Gift
 
@@ -55,9 +56,7 @@ class GiftHooksConfig:
 
     def __post_init__(self) -> None:
         for name in ("window", "max_rows"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GiftHooksConfig.{name}={value!r}; use an int >= 1")
+            positive_int(f"GiftHooksConfig.{name}", getattr(self, name))
 
 
 def find_gift(codec: Codec | None) -> Gift | None:

@@ -258,8 +258,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 # --------------------------------------------------------------------------- grouped allreduce
 # The per-tensor checks below run over every tensor of every call: ``map`` over a C-level getter
-# costs ~0.1 µs per tensor where a generator expression costs ~1 µs (for 100 small tensors that was
-# most of what made a group slower than fusing by hand; see ``commwire bench grouped``).
+# costs a tenth of a generator expression, which for many small tensors would dominate the group.
 _dtype_of = operator.attrgetter("dtype")
 _needs_grad = operator.attrgetter("requires_grad")
 
@@ -293,8 +292,8 @@ def _pack(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], Any, list[to
         if not like:
             packed.append((idx, torch.empty(0), like, []))
         elif set(map(torch.Tensor.dim, like)) == {1}:
-            # ``cat`` of 1-D tensors: ~0.3 µs per tensor; flatten_dense_tensors (what DDP uses, any
-            # shape): ~1.5 µs; a Python loop of reshape calls: ~4 µs.
+            # ``cat`` of 1-D tensors costs a fraction of flatten_dense_tensors (what DDP uses, any
+            # shape) per tensor, and far less than a Python loop of reshape calls.
             packed.append((idx, torch.cat(like), like, list(map(torch.Tensor.numel, like))))
         else:
             packed.append((idx, _flatten_dense_tensors(like), like, None))
@@ -690,16 +689,32 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
                            process_set: Any = global_process_set) -> Callable[[], torch.Tensor]:
     """Start reducing a sparse COO tensor by all-gathering its indices and values; call the result to wait."""
-    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
     op = normalize_op(op)
-    indices = allgather_async(t._indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
-    values = allgather_async(t._values().contiguous(), name=f"{name}.values", process_set=process_set)
-    members = comm_of(process_set).size
+
+    def gather(x: torch.Tensor, part: str) -> Callable[[], torch.Tensor]:
+        handle = allgather_async(x, name=part, process_set=process_set)
+        return lambda: synchronize(handle)
+
+    return _sparse_allreduce(tensor, name, op == Average, comm_of(process_set).size, gather)
+
+
+def _sparse_allreduce(tensor: torch.Tensor, name: str, average: bool, members: int,
+                      gather: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
+    """Reduce a sparse COO tensor over ``members`` ranks; call the result to wait for the reduced tensor.
+
+    The sum of sparse tensors is their concatenation (coalescing adds the duplicates), so
+    every rank all-gathers the (index, value) pairs: ``gather(x, part_name)`` starts the
+    all-gather of ``x`` and returns a function that waits for it. ``average`` divides by
+    ``members``.
+    """
+    t = tensor.coalesce()
+    indices = gather(t._indices().t().contiguous(), f"{name}.indices")
+    values = gather(t._values().contiguous(), f"{name}.values")
 
     def result() -> torch.Tensor:
-        vals = synchronize(values)
-        idx = synchronize(indices)
-        if op == Average:
+        vals = values()
+        idx = indices()
+        if average:
             vals = vals / members
         return torch.sparse_coo_tensor(idx.t(), vals, t.size(), check_invariants=False).coalesce()
 

@@ -21,14 +21,15 @@ import contextlib
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from .._validate import positive_int
 from ..comm.communicator import Communicator
-from ..comm.runtime import world
-from ..fusion import DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_THRESHOLD_BYTES, FusionBuffer
+from ..comm.runtime import default_comm
+from ..fusion import DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_THRESHOLD_BYTES, FusionBuffer, check_unique_names
 
 __all__ = ["DistributedOptimizer"]
 
@@ -107,9 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+        positive_int("backward_passes_per_step", backward_passes_per_step)
         op = {"average": "avg", "mean": "avg"}.get(op, op)
         if op not in ("avg", "sum", "adasum"):
             raise ValueError(f"op={op!r} is not supported for gradients; use Average, Sum or Adasum")
@@ -239,8 +238,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated before each reduction."""
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step={passes!r} must be an int >= 1")
+        positive_int("backward_passes_per_step", passes)
         self.backward_passes_per_step = passes
         for p in self._passes:
             self._passes[p] = 0
@@ -313,14 +311,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     def _reduce_sparse(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        # A sparse gradient is reduced by gathering every rank's (index, value) pairs: the sum of
-        # sparse tensors is their concatenation (coalesce adds duplicates).
-        grad = grad.coalesce()
-        indices = self.comm.allgather(grad._indices().t().contiguous(), name=f"{name}.indices")
-        values = self.comm.allgather(grad._values().contiguous(), name=f"{name}.values")
-        if self.op == "avg":
-            values = values / self.comm.size
-        return torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False).coalesce()
+        from .mpi_ops import _sparse_allreduce
+
+        def gather(x: torch.Tensor, part: str) -> Callable[[], torch.Tensor]:
+            gathered = self.comm.allgather(x, name=part)  # on this thread, in step with the other collectives
+            return lambda: gathered
+
+        return _sparse_allreduce(grad, name, self.op == "avg", self.comm.size, gather)()
 
     def _find_nonfinite(self) -> list[str]:
         # The reduced buckets are the same on every rank (a NaN or Inf anywhere
@@ -482,7 +479,7 @@ def _resolve_comm(comm: Communicator | None, process_set: Any) -> tuple[Communic
 
     if process_set is None or process_set is global_process_set:
         if not is_initialized():  # commwire.init() without hvd.init(): commwire's world
-            return world(), process_set
+            return default_comm(), process_set
         return comm_of(global_process_set), global_process_set
     if process_set.included() is False:
         return None, process_set
@@ -494,11 +491,8 @@ def _named_groups(groups: Any, named: list[tuple[str, torch.nn.Parameter]]) -> l
     if groups is None:
         return None
     names = [n for n, _ in named]
-    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
-        raise ValueError(f"groups={groups!r} must be a positive int or a list of lists of parameters")
-    if isinstance(groups, int):
-        if groups <= 0:
-            raise ValueError(f"groups={groups} must be a positive int")
+    if not isinstance(groups, (list, tuple)):
+        positive_int("groups", groups, extra="or a list of lists of parameters")
         per = -(-len(names) // groups)
         return [names[i:i + per] for i in range(0, len(names), per)]
     by_id = {id(p): n for n, p in named}
@@ -522,10 +516,7 @@ def _resolve_names(optimizer: torch.optim.Optimizer,
     named = list(named_parameters)
     if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
         raise ValueError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
-    names = [n for n, _ in named]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"named_parameters has duplicate names: {dupes}")
+    check_unique_names([n for n, _ in named], "the names in named_parameters")
     by_id = {id(p): n for n, p in named}
     unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
     if unnamed:

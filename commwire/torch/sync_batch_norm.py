@@ -107,7 +107,7 @@ class SyncBatchNorm(_BatchNorm):
 def _comm_for(process_set: Any) -> Communicator:
     """Return the communicator of ``process_set``, or the world's when it is None."""
     if process_set is None:
-        return runtime.world()
+        return runtime.default_comm()
     if not hasattr(process_set, "comm"):
         raise TypeError(f"process_set={process_set!r} has no .comm; pass a ProcessSet (or None for all ranks)")
     if process_set.comm is None:

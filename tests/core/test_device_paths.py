@@ -17,7 +17,8 @@ import pytest
 from mpi_helpers import run_mpi_pytest
 
 import commwire as cw
-from commwire.codecs.collective import has_device_kernels
+from commwire.codecs import Codec, ErrorFeedback, HadamardTransform, Pipeline, Transform
+from commwire.codecs.collective import compressed_allreduce, device_space, has_device_kernels
 from commwire.comm import arrays
 from commwire.comm.arrays import StreamOrder, device_ops, stream_order
 
@@ -84,6 +85,69 @@ def test_which_codecs_have_device_kernels():
         assert has_device_kernels(cw.codecs.get(spec)), spec
     for spec in ("gift+fp8-e4m3", "gift+nvfp4"):
         assert not has_device_kernels(cw.codecs.get(spec)), spec
+
+
+class _HostCodec(Codec):
+    """float32 bytes on the wire, lossy in name only; records the kind of array each encode gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds = []
+
+    @property
+    def spec(self):
+        return f"test-{type(self).__name__}"
+
+    def wire_nbytes(self, n):
+        return 4 * n
+
+    def _encode(self, x, out, key):
+        self.kinds.append(arrays.kind_of(x))
+        if isinstance(x, np.ndarray):
+            out[...] = x.view(np.uint8)
+        else:
+            out.copy_(x.view(torch.uint8))
+
+    def _decode(self, buf, n, out):
+        if isinstance(buf, np.ndarray):
+            out[...] = buf.view(np.float32)
+        else:
+            out.copy_(buf.view(torch.float32))
+        return out
+
+
+class _DeviceCodec(_HostCodec):
+    device_capable = True
+
+
+class _HostTransform(Transform):
+    @property
+    def spec(self):
+        return "test-host-transform"
+
+    def forward(self, x, key):
+        return x.copy() if isinstance(x, np.ndarray) else x.clone()
+
+    def inverse(self, y, out):
+        out[...] = y
+        return out
+
+
+@pytest.mark.parametrize("cls", [_DeviceCodec, _HostCodec])
+def test_a_codec_declares_itself_whether_it_runs_on_the_device(cls):
+    # A codec from outside commwire's codec modules is on the device exactly when it says so.
+    comm = cw.init()
+    codec = cls()
+    x = torch.arange(1000, dtype=torch.float32)
+    with arrays.cpu_standin():
+        assert (device_space(comm, codec, x) is not None) is cls.device_capable
+        y = compressed_allreduce(comm, x, codec=codec, name=f"declared.{cls.__name__}")
+    assert set(codec.kinds) == {"torch" if cls.device_capable else "numpy"}
+    assert isinstance(y, torch.Tensor) and torch.equal(y, x)
+    # Wrapping stages derive it from every stage they hold.
+    assert has_device_kernels(ErrorFeedback(cls())) is cls.device_capable
+    assert has_device_kernels(Pipeline(HadamardTransform(), cls())) is cls.device_capable
+    assert not has_device_kernels(Pipeline(_HostTransform(), cls()))
 
 
 # ---------------------------------------------------------------- stream order (recording fake)

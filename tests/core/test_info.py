@@ -54,3 +54,28 @@ def test_cli_prints_versions_and_checks():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "mpi_vendor" in proc.stdout and "checks:" in proc.stdout and "launcher:" in proc.stdout
+
+
+def test_versions_come_from_package_metadata(monkeypatch):
+    # Not every package sets __version__ (rich 15 does not): the installed metadata decides.
+    import importlib.metadata
+
+    import numpy
+
+    monkeypatch.delattr(numpy, "__version__")
+    assert info._version("numpy") == importlib.metadata.version("numpy")
+    try:
+        expected = importlib.metadata.version("rich")
+    except importlib.metadata.PackageNotFoundError:
+        expected = None
+    assert info._version("rich") == expected
+
+
+def test_a_module_without_metadata_falls_back_to_its_version_and_a_missing_one_is_none(monkeypatch):
+    import types
+
+    module = types.ModuleType("commwire_test_unpackaged")
+    module.__version__ = "1.2.3"
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert info._version(module.__name__) == "1.2.3"
+    assert info._version("commwire_test_not_installed") is None

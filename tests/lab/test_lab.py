@@ -63,7 +63,7 @@ def test_placement_blocks() -> None:
     assert lab.placement(8, 4) == [2, 2, 2, 2]
     assert lab.placement(6, 4) == [2, 2, 2]
     assert lab.placement(2, 4) == [1, 1]
-    with pytest.raises(ValueError, match="np must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"np=0 must be a positive integer"):
         lab.placement(0, 4)
 
 

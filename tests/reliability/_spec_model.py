@@ -49,11 +49,11 @@ OPTIONS: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
                           and v & (v - 1) == 0), "seed": ("an int >= 0", _nonneg)},
     "gift": {"rank": ("an int >= 0", _nonneg), "refresh": ("an int >= 1", lambda v: isinstance(v, int) and v >= 1),
              "ef": ("0 or 1", lambda v: v in (0, 1)), "profile": ("an int >= 0", _nonneg),
-             "top": ("an int >= 0", _nonneg), "primal": ("0 (primal=1 was removed)", lambda v: v == 0)},
+             "top": ("an int >= 0", _nonneg)},
 }
 CODECS = ("none", "identity", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "nvfp4")
 WRAPPERS = ("ef", "hadamard", "gift")
-_GIFT_DEFAULTS = {"rank": 32, "refresh": 50, "ef": 1, "profile": 0, "top": 0, "primal": 0}
+_GIFT_DEFAULTS = {"rank": 32, "refresh": 50, "ef": 1, "profile": 0, "top": 0}
 
 
 @dataclasses.dataclass

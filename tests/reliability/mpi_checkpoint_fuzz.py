@@ -69,7 +69,7 @@ def train(objs: dict[str, Any], steps: range) -> None:
 
 def digest(objs: dict[str, Any]) -> str:
     """Hash every byte of state: parameters, optimizer and codec state, shared codecs."""
-    from commwire.codecs.collective import _codec_cache
+    from commwire.codecs.collective import shared_codecs
 
     h = hashlib.sha256()
 
@@ -92,7 +92,7 @@ def digest(objs: dict[str, Any]) -> str:
             h.update(repr(x).encode())
 
     walk({name: obj.state_dict() for name, obj in objs.items()})
-    walk({spec: codec.state_dict() for spec, codec in _codec_cache.items()})
+    walk({spec: codec.state_dict() for spec, codec in shared_codecs().items()})
     return h.hexdigest()
 
 

@@ -1,0 +1,69 @@
+"""The launcher's rank variables, read in one place (commwire.comm.rankenv) — tier 1 (single process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from commwire.codecs import _threads
+from commwire.comm import ranklog
+from commwire.comm.rankenv import LAUNCHER_VARIABLES, LauncherRanks, launcher_ranks
+
+# What each launcher sets for rank 5 of 8, the second of 4 ranks on its node.
+LAUNCHERS = {
+    "mpich": {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+    "openmpi": {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+    "slurm": {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"},
+}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for names in LAUNCHER_VARIABLES.values():
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("COMMWIRE_CODEC_THREADS", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_each_launchers_variables_give_the_same_answer(clean_env, launcher):
+    for name, value in LAUNCHERS[launcher].items():
+        clean_env.setenv(name, value)
+    assert launcher_ranks() == LauncherRanks(rank=5, size=8, local_rank=1, local_size=4)
+    assert ranklog.env_rank() == "5"
+
+
+def test_pmix_rank_alone_gives_the_rank(clean_env):
+    clean_env.setenv("PMIX_RANK", "3")
+    assert launcher_ranks() == LauncherRanks(rank=3, size=None, local_rank=None, local_size=None)
+
+
+def test_nothing_announced_is_none_and_an_unknown_rank(clean_env):
+    assert launcher_ranks() == LauncherRanks(None, None, None, None)
+    assert ranklog.env_rank() == "?"
+
+
+def test_values_that_are_not_counts_are_skipped():
+    env = {"PMI_RANK": "", "OMPI_COMM_WORLD_RANK": "2", "PMI_SIZE": "0", "SLURM_NTASKS": "x", "MPI_LOCALNRANKS": "-1"}
+    assert launcher_ranks(env) == LauncherRanks(rank=2, size=None, local_rank=None, local_size=None)
+
+
+def test_the_table_holds_every_launchers_variables():
+    assert set(LAUNCHER_VARIABLES["rank"]) >= {"PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"}
+    assert set(LAUNCHER_VARIABLES["size"]) >= {"PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}
+    assert set(LAUNCHER_VARIABLES["local_size"]) >= {"MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                                     "SLURM_NTASKS_PER_NODE"}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_codec_threads_share_the_cores_among_the_ranks_of_a_node(clean_env, launcher):
+    clean_env.setattr(_threads, "_usable_cpus", lambda: 16)
+    for name, value in LAUNCHERS[launcher].items():
+        if name in LAUNCHER_VARIABLES["local_size"]:  # the node's rank count alone decides
+            clean_env.setenv(name, value)
+    _threads.set_threads(None)  # forget the default worked out before
+    try:
+        assert _threads.default_threads() == 4
+    finally:
+        _threads.set_threads(None)
