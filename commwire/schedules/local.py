@@ -12,7 +12,8 @@ outer_lr = 0.7, μ = 0.9, Nesterov is DiLoCo's outer optimizer. Optimizer
 states named by the caller (moments, error-feedback buffers) can be averaged
 at the same sync in a second fused message. While every rank holds the same
 weights anyway (a DDP warm-up), :meth:`LocalSync.rebase` ends a period
-without a message.
+without a message. A caller with its own outer optimizer (``DiLoCo``'s
+``outer_optimizer=``) calls :meth:`LocalSync.average` and steps θ_ref itself.
 
 Arrays are numpy arrays or torch tensors (one kind per schedule); only
 operators, slicing and the Communicator are used, so the same code serves both.
@@ -28,17 +29,19 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._validate import positive_int
+from ..comm.arrays import copy, nbytes, zeros_like
 from ..comm.communicator import Communicator
-from ..fusion import FusionBuffer
+from ..comm.runtime import default_comm
+from .base import Ticker, check_step, fused_average, fused_bytes
 
-__all__ = ["LocalSync", "LocalSyncConfig", "wire_bytes", "check_identical"]
+__all__ = ["LocalSync", "LocalSyncConfig", "check_identical"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,39 +62,11 @@ class LocalSyncConfig:
     """Wire format of averaged optimizer states (default: uncompressed)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, (int, np.integer)) \
-                or self.sync_every < 1:
-            raise ValueError(f"sync_every={self.sync_every!r} must be an integer >= 1 (1 syncs every step)")
+        positive_int("sync_every", self.sync_every, extra="(1 syncs every step)")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr={self.outer_lr} must be > 0 (1.0 = plain averaging)")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum={self.outer_momentum} must lie in [0, 1) (DiLoCo uses 0.9)")
-
-
-def wire_bytes(codec: Any, nbytes: int, itemsize: int) -> int:
-    """Return the bytes one all-reduce of ``nbytes`` hands to MPI with ``codec`` (by formula)."""
-    if codec is None or codec == "none":
-        return int(nbytes)
-    from ..codecs.collective import resolve_codec
-
-    c = resolve_codec(codec)
-    if c.lossless:
-        return int(nbytes)
-    # Lossy payloads are counted as one encoded tensor; the pipelined collective adds one
-    # scale per chunk for per-tensor-scaled formats (4 bytes x ranks x segments at most).
-    return int(c.wire_nbytes(nbytes // itemsize))
-
-
-def _copy(x: Any) -> Any:
-    return x.copy() if isinstance(x, np.ndarray) else x.detach().clone()
-
-
-def _zeros_like(x: Any) -> Any:
-    return np.zeros_like(x) if isinstance(x, np.ndarray) else x.detach().new_zeros(x.shape)
-
-
-def _nbytes(x: Any) -> int:
-    return int(x.nbytes) if isinstance(x, np.ndarray) else x.numel() * x.element_size()
 
 
 def _fingerprint(x: Any) -> int:
@@ -114,15 +89,7 @@ def check_identical(named: Sequence[tuple[str, Any]], comm: Communicator) -> Non
                              "commwire.torch.broadcast_parameters(model.state_dict(), root_rank=0)")
 
 
-def _fusion(named: Sequence[tuple[str, Any]], comm: Communicator, codec: Any) -> FusionBuffer | None:
-    if not named:
-        return None
-    # One bucket per dtype/device (no size limit, first-bucket limit off): the fewest messages.
-    return FusionBuffer(list(named), comm=comm, op="avg", codec=codec, threshold_bytes=sys.maxsize,
-                        first_bucket_bytes=0, overlap=False)
-
-
-class LocalSync:
+class LocalSync(Ticker):
     """Average pseudo-gradients every K steps and apply the outer step to the reference weights.
 
     Args:
@@ -139,34 +106,42 @@ class LocalSync:
     def __init__(self, params: Sequence[tuple[str, Any]], config: LocalSyncConfig | None = None, *,
                  comm: Communicator | None = None, states: Sequence[tuple[str, Any]] = (),
                  check: bool = True) -> None:
-        if comm is None:
-            from ..comm.runtime import world
-
-            comm = world()
-        self.comm = comm
+        self.comm = comm = default_comm(comm)
         self.config = config if config is not None else LocalSyncConfig()
         self.params = list(params)
         if not self.params:
             raise ValueError("LocalSync needs at least one parameter; got an empty list")
         if check:
             check_identical(self.params, comm)
-        self.reference = {name: _copy(x) for name, x in self.params}
-        self.momentum = ({name: _zeros_like(x) for name, x in self.params}
+        self.reference = {name: copy(x) for name, x in self.params}
+        self.momentum = ({name: zeros_like(x) for name, x in self.params}
                          if self.config.outer_momentum > 0 else {})
-        self._pseudo = _fusion(self.params, comm, self.config.codec)
+        self._pseudo = fused_average(self.params, comm, self.config.codec)
         self.state_names = [name for name, _ in states]
-        self._states = _fusion(list(states), comm, self.config.state_codec)
+        self._states = fused_average(list(states), comm, self.config.state_codec)
         self.steps = 0
         self.syncs = 0
 
     # --------------------------------------------------------------- schedule
-    def tick(self) -> bool:
-        """Count one local step; return True when this step must end with :meth:`sync`."""
-        self.steps += 1
-        return self.steps % self.config.sync_every == 0
+    def due(self, step: int) -> bool:
+        """Return whether local step ``step`` (counting from 1) ends with :meth:`sync`: every K-th does."""
+        return check_step(step) % self.config.sync_every == 0
 
     def sync(self, states: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Average pseudo-gradients (and ``states`` in place), take the outer step, reset the weights.
+
+        Returns:
+            ``{name: averaged pseudo-gradient}`` as views valid until the next sync.
+        """
+        delta = self.average(states)
+        self.outer_step(delta)
+        return delta
+
+    def average(self, states: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Average the pseudo-gradients θ_ref − θ (and ``states`` in place) over the ranks; count the sync.
+
+        The first half of :meth:`sync`, for a caller that applies its own outer
+        step to :attr:`reference` (and then copies it into the weights).
 
         Returns:
             ``{name: averaged pseudo-gradient}`` as views valid until the next sync.
@@ -179,6 +154,11 @@ class LocalSync:
         delta = self._pseudo.wait()
         if self._states is not None:
             self._average_states(states or {})
+        self.syncs += 1
+        return delta
+
+    def outer_step(self, delta: Mapping[str, Any]) -> None:
+        """Apply the configured outer SGD step to :attr:`reference` and restart every rank's weights from it."""
         cfg = self.config
         for name, x in self.params:
             d, ref = delta[name], self.reference[name]
@@ -192,8 +172,6 @@ class LocalSync:
             else:
                 ref -= cfg.outer_lr * d
             x[...] = ref
-        self.syncs += 1
-        return delta
 
     def rebase(self) -> dict[str, Any]:
         """Return θ_ref − θ without communicating and restart the reference from θ (no outer step).
@@ -234,12 +212,7 @@ class LocalSync:
     @property
     def bytes_per_sync(self) -> int:
         """Return the bytes one sync hands to MPI on this rank (the counters' ``bytes``), by formula."""
-        total = 0
-        for fb, codec in ((self._pseudo, self.config.codec), (self._states, self.config.state_codec)):
-            if fb is not None:
-                total += sum(wire_bytes(codec, b.nbytes, b.nbytes // max(1, sum(b.numels)))
-                             for b in fb.buckets)
-        return total
+        return fused_bytes(self._pseudo, self.config.codec) + fused_bytes(self._states, self.config.state_codec)
 
     @property
     def messages_per_sync(self) -> int:
@@ -248,11 +221,11 @@ class LocalSync:
 
     def state_bytes(self) -> int:
         """Return the bytes of optimizer state the schedule holds: reference weights and outer momentum."""
-        return sum(_nbytes(a) for a in list(self.reference.values()) + list(self.momentum.values()))
+        return sum(nbytes(a) for a in list(self.reference.values()) + list(self.momentum.values()))
 
     def buffer_bytes(self) -> int:
         """Return the bytes of the fused send/receive buffers (transient, reused at every sync)."""
-        return sum(_nbytes(b.buffer) for fb in (self._pseudo, self._states) if fb is not None for b in fb.buckets)
+        return sum(nbytes(b.buffer) for fb in (self._pseudo, self._states) if fb is not None for b in fb.buckets)
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -260,8 +233,8 @@ class LocalSync:
         return {
             "steps": self.steps,
             "syncs": self.syncs,
-            "reference": {n: _copy(x) for n, x in self.reference.items()},
-            "momentum": {n: _copy(x) for n, x in self.momentum.items()},
+            "reference": {n: copy(x) for n, x in self.reference.items()},
+            "momentum": {n: copy(x) for n, x in self.momentum.items()},
             "codec": self._pseudo.state_dict(),
             "state_codec": self._states.state_dict() if self._states is not None else None,
         }

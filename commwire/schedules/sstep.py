@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numba
 import numpy as np
+
+from .._validate import positive_int
+from ..comm.runtime import default_comm
+from .base import Ticker, check_step
 
 __all__ = ["SStepGram"]
 
@@ -27,7 +32,7 @@ def _pack(full: np.ndarray, out: np.ndarray, k: int, b: int) -> None:  # pragma:
             pos += width
 
 
-def _array_module(name: str) -> Any:
+def _module_named(name: str) -> Any:
     if name == "numpy":
         return np
     if name == "cupy":
@@ -39,7 +44,7 @@ def _array_module(name: str) -> Any:
     raise ValueError(f"xp={name!r} is not supported; choose 'numpy' or 'cupy'")
 
 
-class SStepGram:
+class SStepGram(Ticker):
     """Fold s inner steps of b rows into one allreduce of margins and the block-lower Gram.
 
     Each rank fills a panel A = [w^T; Y_0; ...; Y_{s-1}] ((1 + s*b) x n_local): row 0
@@ -53,10 +58,14 @@ class SStepGram:
 
     How the chunks are computed depends on the array module. On numpy, one GEMM of
     the whole panel A A^T followed by a compiled copy of the block-lower part: it
-    does twice the flops of the triangle, yet beats s skinny GEMMs (b rows each) by
-    2.7x on this project's CPU (96 vs 262 µs at s=32, b=4, n_local=500, one BLAS
-    thread); used from s = 4 on. For smaller s, and on other modules (cupy), one GEMM per step straight into the payload,
-    so no diagonal or upper blocks are formed.
+    does twice the flops of the triangle, yet beats s skinny GEMMs (b rows each),
+    whose per-call overhead dominates at these sizes; used from s = 4 on. For
+    smaller s, and on other modules (cupy), one GEMM per step straight into the
+    payload, so no diagonal or upper blocks are formed.
+
+    As a schedule (see :class:`commwire.schedules.Schedule`), the exchange of a
+    group happens before its first step: :meth:`tick` is True at steps 1, 1 + s,
+    1 + 2s, ...; ``syncs`` counts the exchanges.
 
     Everything is allocated once here; exchange() allocates nothing (except for a
     short final group of k < s steps, on numpy).
@@ -71,24 +80,18 @@ class SStepGram:
     def __init__(self, *, s: int, b: int, n_local: int, dtype: Any = "float64",
                  comm_dtype: Any = None, comm: Any = None, xp: str = "numpy") -> None:
         """Allocate the panel and payload buffers for groups of up to s steps of b rows."""
-        for name, value in (("s", s), ("b", b)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        positive_int("s", s)
+        positive_int("b", b)
         if not isinstance(n_local, (int, np.integer)) or n_local < 0:
             raise ValueError(f"n_local={n_local!r} must be a non-negative integer")
         self.s, self.b, self.n_local = int(s), int(b), int(n_local)
-        self.xp = _array_module(xp)
+        self.xp = _module_named(xp)
         self.dtype = np.dtype(dtype)
         self.comm_dtype = np.dtype(comm_dtype if comm_dtype is not None else dtype)
         for label, dt in (("dtype", self.dtype), ("comm_dtype", self.comm_dtype)):
             if dt not in (np.float32, np.float64):
                 raise ValueError(f"{label}={dt} is not supported; choose float32 or float64 (BLAS dtypes)")
-        if comm is None:
-            import commwire as cw
-
-            cw.init()
-            comm = cw.world()
-        self.comm = comm
+        self.comm = comm = default_comm(comm, init_if_needed=True)
         xp_ = self.xp
         self.panel = xp_.zeros((1 + self.s * self.b, self.n_local), dtype=self.dtype)
         self.weights = self.panel[0]
@@ -106,6 +109,8 @@ class SStepGram:
             off = self.offset(j)
             out = self._local[off:off + b_ * (1 + j * b_)].reshape(b_, 1 + j * b_)
             self._gemms.append((self.panel[1 + j * b_:1 + (j + 1) * b_], self.panel[:1 + j * b_].T, out))
+        self.steps = 0
+        self.syncs = 0
 
     @staticmethod
     def words(s: int, b: int) -> int:
@@ -143,6 +148,7 @@ class SStepGram:
             self.xp.copyto(wire, self._local[:n], casting="same_kind")
         # The Communicator moves device arrays itself (CUDA-aware or host-staged).
         self.comm.allreduce(wire, op="sum", out=wire)
+        self.syncs += 1
         return wire
 
     def exchange(self, k: int | None = None) -> Any:
@@ -164,3 +170,27 @@ class SStepGram:
             raise IndexError(f"step j={j} is outside 0..{self.s - 1}")
         off, b_ = self.offset(j), self.b
         return payload[off:off + b_ * (1 + j * b_)].reshape(b_, 1 + j * b_)
+
+    # ---------------------------------------------------------------- schedule
+    def due(self, step: int) -> bool:
+        """Return whether inner step ``step`` (counting from 1) starts a group, i.e. needs an exchange first."""
+        return (check_step(step) - 1) % self.s == 0
+
+    @property
+    def bytes_per_sync(self) -> int:
+        """Return the bytes one exchange of a full group hands to the allreduce."""
+        return self.nbytes()
+
+    @property
+    def messages_per_sync(self) -> int:
+        """Return the collectives one exchange issues: one allreduce."""
+        return 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the counters (the panel is refilled for every group: it is no state)."""
+        return {"steps": self.steps, "syncs": self.syncs}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.steps = int(state["steps"])
+        self.syncs = int(state["syncs"])

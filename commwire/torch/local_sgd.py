@@ -4,9 +4,12 @@
 locally and communicate only on every ``sync_every``-th ``step()``: the
 pseudo-gradients θ_ref − θ travel in one fused all-reduce per dtype (any
 codec), optionally followed by one fused all-reduce of optimizer states. The
-schedule is :class:`commwire.schedules.LocalSync`; the LoRDO math is
-:mod:`commwire.schedules.lordo`. ``LowRankAdam`` is GaLore-style low-rank
-Adam for every-step gradient averaging (wrap it in ``DistributedOptimizer``).
+schedule is :class:`commwire.schedules.LocalSync` (LoRDO's:
+:class:`commwire.schedules.LoRDOSchedule`); the LoRDO math is
+:mod:`commwire.optim.lordo`. ``DiLoCo`` runs any torch optimizer as its inner
+and outer step (``inner_optimizer=``, ``outer_optimizer=``). ``LowRankAdam`` is
+GaLore-style low-rank Adam for every-step gradient averaging (wrap it in
+``DistributedOptimizer``).
 
 Example:
     >>> import commwire.torch as hvd
@@ -19,16 +22,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from .._validate import positive_int
 from ..comm.communicator import Communicator
-from ..comm.runtime import world
-from ..schedules.local import LocalSync, LocalSyncConfig
-from ..schedules.lordo import LoRDO as LoRDOEngine
-from ..schedules.lordo import (
+from ..comm.runtime import default_comm
+from ..fusion import check_unique_names
+from ..optim.lordo import (
     LoRDOConfig,
     adam_step,
     init_adam_state,
@@ -38,6 +41,7 @@ from ..schedules.lordo import (
     lowrank_step,
     refresh_basis,
 )
+from ..schedules import LocalSync, LocalSyncConfig, LoRDOSchedule
 
 __all__ = ["DiLoCo", "LoRDO", "LowRankAdam", "state_nbytes"]
 
@@ -74,10 +78,7 @@ def _named_groups(params: Any) -> tuple[list[tuple[str, torch.Tensor]], list[dic
         names, tensors = _split_named(members, len(named))
         named += list(zip(names, tensors))
         groups.append({**g, "params": tensors})
-    names = [n for n, _ in named]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"parameter names must be unique; duplicated: {dupes[:5]}")
+    check_unique_names([n for n, _ in named], "parameter names")
     for name, p in named:
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"parameter {name!r} must be a floating-point tensor, got {type(p).__name__}")
@@ -90,8 +91,10 @@ class _LocalOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: LocalSyncConfig,
                  comm: Communicator | None, check: bool) -> None:
         named, groups = _named_groups(params)
+        # torch fills each group dict with the defaults: keep what the caller gave for an inner-optimizer factory.
+        self._given_groups = [{**g, "params": list(g["params"])} for g in groups]
         super().__init__(groups, defaults)
-        self.comm = comm if comm is not None else world()
+        self.comm = comm = default_comm(comm)
         self._named = named
         self._names = {p: n for n, p in named}
         self.diagnostics: list[dict[str, Any]] = []
@@ -147,13 +150,20 @@ class _LocalOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        t = self._sync.steps + 1
+        self._local_step(self._sync.steps + 1)
+        if self._sync.tick():
+            self._synchronise()
+        return loss
+
+    def _local_step(self, step: int) -> None:
+        """Apply the local update of step ``step`` to every parameter with a gradient."""
         params = dict(self._named)
         for name, grad, group in self._gradients():
-            self._local_update(params[name], grad, group, t)
-        if self._sync.tick():
-            self._sync.sync(dict(self._state_tensors()))
-        return loss
+            self._local_update(params[name], grad, group, step)
+
+    def _synchronise(self) -> None:
+        """Average the pseudo-gradients (and states), take the outer step, restart from the reference."""
+        self._sync.sync(dict(self._state_tensors()))
 
     # ------------------------------------------------------------ accounting
     @property
@@ -183,6 +193,9 @@ class _LocalOptimizer(torch.optim.Optimizer):
     def _extra_state(self) -> dict[str, Any]:
         return {"schedule": self._sync.state_dict(), "diagnostics": list(self.diagnostics)}
 
+    def _check_extra_state(self, extra: Mapping[str, Any]) -> None:
+        """Raise ValueError if ``extra`` cannot be loaded, before anything is changed."""
+
     def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
         self._sync.load_state_dict(extra["schedule"])
         self.diagnostics = list(extra["diagnostics"])
@@ -204,41 +217,92 @@ class _LocalOptimizer(torch.optim.Optimizer):
         if ours["names"] != names:
             raise ValueError(f"checkpoint parameter names differ from this optimizer's (first saved "
                              f"{ours['names'][:2]}, now {names[:2]}); build the optimizer over the same model")
+        self._check_extra_state(ours)
         super().load_state_dict(sd)
         with torch.no_grad():
             self._load_extra_state(ours)
 
 
 class DiLoCo(_LocalOptimizer):
-    """Local AdamW for ``sync_every`` steps, then average pseudo-gradients and take a Nesterov outer step.
+    """Local steps of an inner optimizer for ``sync_every`` steps, then average pseudo-gradients and take an outer step.
+
+    By default the inner optimizer is AdamW and the outer step Nesterov SGD on
+    the averaged pseudo-gradient θ_ref − θ (DiLoCo's recipe); any torch optimizer
+    can take either place, as in torchft's DiLoCo.
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or param groups.
-        lr, betas, eps, weight_decay: the inner AdamW (per param group).
+        lr, betas, eps, weight_decay: the built-in inner AdamW (per param group).
         sync_every: K, local steps per synchronisation (>= 1).
-        outer_lr, outer_momentum, nesterov: the outer SGD step on the pseudo-gradient
+        outer_lr, outer_momentum, nesterov: the built-in outer SGD step on the pseudo-gradient
             (DiLoCo: 0.7, 0.9, Nesterov; 1.0, 0.0 is plain parameter averaging = local Adam).
         average_moments: also average the inner Adam moments at a sync (2P more values).
         codec: wire format of the pseudo-gradients (e.g. "fp8-e4m3").
         comm: communicator (default: the world).
         check: verify that the parameters are identical on every rank (one allgather of hashes).
+        inner_optimizer: the local step instead of the built-in AdamW: a ``torch.optim.Optimizer``
+            over exactly the tensors of ``params``, or a factory that DiLoCo calls with them (a list
+            of tensors, or of param-group dicts when ``params`` had groups) and that returns one.
+            Its learning rate, LR schedulers and state are its own; leave ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and ``average_moments`` at their defaults.
+        outer_optimizer: the outer step instead of the built-in SGD: a factory that DiLoCo calls
+            with the reference copies θ_ref it keeps (one tensor per parameter, in ``params``
+            order) and that returns a ``torch.optim.Optimizer`` over them; or, as torchft does, an
+            optimizer over exactly the tensors of ``params`` (at a sync DiLoCo loads θ_ref into
+            them, steps, and keeps the result as the new θ_ref). Either way the tensors' ``.grad``
+            is the averaged pseudo-gradient during its ``step()``. Leave ``outer_lr``,
+            ``outer_momentum`` and ``nesterov`` at their defaults.
 
     Example:
         >>> opt = DiLoCo(model.named_parameters(), lr=2e-3, sync_every=32)
+        >>> opt = DiLoCo(model.named_parameters(), sync_every=32,
+        ...              inner_optimizer=torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True),
+        ...              outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, sync_every: int = 32, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, average_moments: bool = False,
-                 codec: Any = None, comm: Communicator | None = None, check: bool = True) -> None:
+                 codec: Any = None, comm: Communicator | None = None, check: bool = True,
+                 inner_optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
+                 outer_optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
+                 ) -> None:
         _check_adam(lr, betas, eps, weight_decay)
+        _refuse_overrides("inner_optimizer", inner_optimizer, {
+            "lr": (lr, 1e-3), "betas": (tuple(betas), (0.9, 0.95)), "eps": (eps, 1e-8),
+            "weight_decay": (weight_decay, 0.0), "average_moments": (average_moments, False)})
+        _refuse_overrides("outer_optimizer", outer_optimizer, {
+            "outer_lr": (outer_lr, 0.7), "outer_momentum": (outer_momentum, 0.9), "nesterov": (nesterov, True)})
+        if inner_optimizer is not None and inner_optimizer is outer_optimizer:
+            raise ValueError("inner_optimizer and outer_optimizer are the same object; give each its own optimizer")
         self.average_moments = average_moments
+        self._custom_inner = inner_optimizer is not None
+        if outer_optimizer is not None:  # the outer step is the caller's: no built-in momentum buffers
+            outer_lr, outer_momentum = 1.0, 0.0
         schedule = LocalSyncConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                    nesterov=nesterov, codec=codec)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, schedule, comm, check)
+        tensors = [p for _, p in self._named]
+        self.inner_optimizer: torch.optim.Optimizer | None = None
+        if inner_optimizer is not None:
+            given = self._given_groups
+            plain = len(given) == 1 and set(given[0]) == {"params"}
+            self.inner_optimizer = _optimizer_over("inner_optimizer", inner_optimizer,
+                                                   given[0]["params"] if plain else given, tensors, "params")
+        self.outer_optimizer: torch.optim.Optimizer | None = None
+        self._outer_on_model = isinstance(outer_optimizer, torch.optim.Optimizer)
+        if outer_optimizer is not None:
+            refs = [self._sync.reference[n] for n, _ in self._named]
+            if self._outer_on_model:
+                self.outer_optimizer = _optimizer_over("outer_optimizer", outer_optimizer, None, tensors, "params")
+            else:
+                self.outer_optimizer = _optimizer_over("outer_optimizer", outer_optimizer, refs, refs,
+                                                       "the reference copies it was called with")
 
     def _init_state(self) -> None:
+        if self._custom_inner:
+            return  # the inner optimizer keeps its own state
         for _, p in self._named:
             self.state[p].update(init_adam_state(p.detach()))
 
@@ -251,12 +315,98 @@ class DiLoCo(_LocalOptimizer):
         adam_step(p, grad, self.state[p], lr=group["lr"], step=step, betas=group["betas"], eps=group["eps"],
                   weight_decay=group["weight_decay"])
 
+    def _local_step(self, step: int) -> None:
+        if self.inner_optimizer is None:
+            super()._local_step(step)
+        else:
+            self.inner_optimizer.step()
+
+    def _synchronise(self) -> None:
+        if self.outer_optimizer is None:
+            super()._synchronise()
+            return
+        delta = self._sync.average(dict(self._state_tensors()))
+        reference = self._sync.reference
+        # The outer optimizer steps its own tensors (the model's or the reference copies) with the
+        # averaged pseudo-gradient as their gradient; every rank then restarts from the result.
+        targets = [(p if self._outer_on_model else reference[n], n, p) for n, p in self._named]
+        saved = []
+        for target, name, p in targets:
+            if self._outer_on_model:
+                p.copy_(reference[name])
+            saved.append(target.grad)
+            target.grad = delta[name]
+        try:
+            self.outer_optimizer.step()
+        finally:
+            for (target, _, _), grad in zip(targets, saved):
+                target.grad = grad  # the fused buffer behind delta is reused at the next sync
+        for target, name, p in targets:
+            (reference[name] if self._outer_on_model else p).copy_(target)
+
+    def schedule_state_bytes(self) -> int:
+        """Return the bytes of the reference weights and outer momentum, and of a given inner/outer optimizer."""
+        given = (o for o in (self.inner_optimizer, self.outer_optimizer) if o is not None)
+        return super().schedule_state_bytes() + sum(state_nbytes(o) for o in given)
+
+    def _extra_state(self) -> dict[str, Any]:
+        extra = super()._extra_state()
+        for key in ("inner_optimizer", "outer_optimizer"):
+            opt = getattr(self, key)
+            if opt is not None:
+                extra[key] = opt.state_dict()
+        return extra
+
+    def _check_extra_state(self, extra: Mapping[str, Any]) -> None:
+        for key in ("inner_optimizer", "outer_optimizer"):
+            if (getattr(self, key) is None) != (key not in extra):
+                raise ValueError(f"checkpoint and optimizer disagree on {key} (one has it, the other not); "
+                                 "build DiLoCo with the same inner and outer optimizers to resume")
+
+    def _load_extra_state(self, extra: Mapping[str, Any]) -> None:
+        for key in ("inner_optimizer", "outer_optimizer"):
+            opt = getattr(self, key)
+            if opt is not None:
+                opt.load_state_dict(extra[key])
+        super()._load_extra_state(extra)
+
+
+def _refuse_overrides(arg: str, given: Any, settings: dict[str, tuple[Any, Any]]) -> None:
+    """Raise ValueError if ``given`` is set and a setting of the built-in optimizer it replaces is not its default."""
+    if given is None:
+        return
+    changed = [name for name, (value, default) in settings.items() if value != default]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} configure DiLoCo's built-in optimizer, which {arg}= replaces; "
+                         f"set them on {arg} instead")
+
+
+def _optimizer_over(arg: str, given: Any, factory_input: Any, tensors: list[torch.Tensor],
+                    what: str) -> torch.optim.Optimizer:
+    """Return ``given`` (or what the factory ``given`` builds from ``factory_input``), checked to own ``tensors``."""
+    opt = given
+    if not isinstance(given, torch.optim.Optimizer):
+        if not callable(given) or isinstance(given, torch.nn.Module):
+            raise TypeError(f"{arg} must be a torch.optim.Optimizer or a function that builds one from the "
+                            f"parameters, got {type(given).__name__}")
+        opt = given(factory_input)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"{arg} returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    theirs = [p for group in opt.param_groups for p in group["params"]]
+    mine = {id(t) for t in tensors}
+    foreign = sum(id(p) not in mine for p in theirs)
+    missing = len(mine - {id(p) for p in theirs})
+    if foreign or missing:
+        raise ValueError(f"{arg} optimizes other tensors than {what} ({foreign} of its tensors are not among "
+                         f"them, {missing} of them are not in it); build it over exactly those tensors")
+    return opt
+
 
 class LoRDO(_LocalOptimizer):
     """LoRDO: low-rank local Adam in a global subspace, full-rank QH term, sync every ``sync_every`` steps.
 
-    The engine is :class:`commwire.schedules.lordo.LoRDO` (its module docstring
-    gives the update rule); this class puts torch's optimizer interface on it:
+    The engine is :class:`commwire.schedules.LoRDOSchedule` (the update rule is
+    :mod:`commwire.optim.lordo`'s module docstring); this class puts torch's optimizer interface on it:
     ``state[p]`` holds the per-parameter state (on the parameter's device), and
     ``state_dict()`` / ``load_state_dict()`` resume bit-identically. Each matrix
     parameter with ``rank < min(m, n)`` keeps Adam moments in a rank-r subspace
@@ -318,8 +468,8 @@ class LoRDO(_LocalOptimizer):
             if (tuple(group["betas"]), group["eps"]) != (self.config.betas, self.config.eps):
                 raise ValueError(f"a param group sets betas={group['betas']}, eps={group['eps']}; LoRDO takes "
                                  f"them for all groups ({self.config.betas}, {self.config.eps}): pass them to LoRDO")
-        self._engine = LoRDOEngine(named, self.config, schedule, comm=self.comm, check=check,
-                                   states={n: self.state[p] for n, p in named})
+        self._engine = LoRDOSchedule(named, self.config, schedule, comm=self.comm, check=check,
+                                     states={n: self.state[p] for n, p in named})
         return self._engine.schedule
 
     @property
@@ -384,8 +534,7 @@ class LowRankAdam(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  rotate: bool = True) -> None:
         _check_adam(lr, betas, eps, weight_decay)
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1:
-            raise ValueError(f"refresh_every={refresh_every!r} must be an integer >= 1")
+        positive_int("refresh_every", refresh_every)
         self.config = LoRDOConfig(rank=rank, omega=1.0, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                   clip=None, error_feedback=False, rotate=rotate, sync_states=())
         self.refresh_every = refresh_every
