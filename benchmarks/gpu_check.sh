@@ -187,7 +187,7 @@ lab() {
         "$PY" -m commwire run -np "$n" --lab "$PY" -m commwire.bench.allreduce --sizes "$sizes" --repeats 3 \
             --budget 0.1 --json "$WORK/lab$n.json" || return 1
     done
-    "$PY" -m commwire bench project --calibrate "$WORK"/lab{2,4,8}.json --fit-sizes 16,4K,256K,16M \
+    "$PY" benchmarks/calibrate.py --calibrate "$WORK"/lab{2,4,8}.json --fit-sizes 16,4K,256K,16M \
         --validate "$WORK"/lab{2,4,8}.json --cores "$(nproc)" | tee "$WORK/lab_validation.txt"
     "$PY" - "$WORK" <<'EOF'
 import json, pathlib, sys

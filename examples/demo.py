@@ -38,7 +38,7 @@ import commwire as cw
 
 LAB_HOSTS, LAB_BANDWIDTH = 4, "1gbit"
 CLUSTERS = {"1 Gbit/s": 1e9, "10 Gbit/s": 1e10}
-ALPHA = 12.4e-6  # s per round: fitted on the 4-host lab (README, cost-model rows); its link ran at 0.86 of line rate
+ALPHA = 12.4e-6  # s per round: fitted on the 4-host lab (docs/results/2026-11-costmodel.md); its link ran at 0.86 of line rate
 LINE_FRACTION = 0.86
 
 
@@ -188,11 +188,11 @@ def lab_part(out: str) -> None:
 
 # --------------------------------------------------------------------------- projections
 def projections(comm: cw.Communicator, measured: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Project the link-bound parts to clusters with the cost model (commwire.bench.project)."""
-    from commwire.bench.project import LinkModel, _codec_rates, allreduce_seconds, compressed_seconds
+    """Project the link-bound parts to clusters with the cost model (commwire.costmodel)."""
+    from commwire.costmodel import LinkModel, allreduce_seconds, codec_rates, compressed_seconds
 
     p = comm.size
-    rates = {codec: _codec_rates(codec) for codec in ("fp8-e4m3", "nvfp4")} if comm.rank == 0 else None
+    rates = {codec: codec_rates(codec) for codec in ("fp8-e4m3", "nvfp4")} if comm.rank == 0 else None
     rates = comm.broadcast_object(rates, 0)
     out: dict[str, dict[str, Any]] = {}
     n = 16 << 20

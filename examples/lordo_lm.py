@@ -3,7 +3,7 @@
 Every method trains the same TinyGPT (``commwire.bench.lm``) from the same
 initial weights on the same per-rank batches of the Python documentation text
 for the same number of steps, in one MPI job, with the optimizer settings of
-``commwire bench lordo`` (same clipping, LR schedule, outer steps). Reported
+``benchmarks/lordo.py`` (same clipping, LR schedule, outer steps). Reported
 per method: final validation loss (nats/byte, the whole validation split),
 bytes handed to MPI per step (``commwire.stats()``, this rank), its ratio to
 DDP, optimizer-state memory and training wall time. For the two LoRDO runs the
@@ -12,7 +12,7 @@ consecutive projections (1 = same subspace) and the numerical rank of the
 averaged pseudo-gradient relative to r.
 
 This is one seed, for the curves and figures. Each method's peak LR defaults
-to its best LR in ``commwire bench lordo`` (the same grid for every method,
+to its best LR in ``benchmarks/lordo.py`` (the same grid for every method,
 3 seeds, 256 steps: ``TUNED_LR``); the tuned comparison with mean ± std over
 seeds is that benchmark's table, not this example's.
 
@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,13 +40,16 @@ import torch
 
 import commwire as cw
 import commwire.torch as hvd
-from commwire.bench import lordo as sweep
 from commwire.bench.lm import Corpus, LMConfig, make_lm
+
+# The training arms and their tuned settings are the LoRDO study's, run from a checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import lordo as sweep  # noqa: E402
 
 METHODS = ("ddp", "lowrank-ddp", "diloco", "lordo", "lordo-omega1")
 LABELS = {m: sweep.ARMS[m].label for m in METHODS}
 TUNED_LR = {"ddp": 3e-3, "lowrank-ddp": 1.2e-2, "diloco": 1.5e-3, "lordo": 6e-3, "lordo-omega1": 6e-3}
-"""Best peak LR per method in ``commwire bench lordo -np 4`` (grid 1.5e-3 ... 1.2e-2, 3 seeds, 256 steps)."""
+"""Best peak LR per method in the LoRDO study (``benchmarks/lordo.py``, grid 1.5e-3 ... 1.2e-2, 3 seeds, 256 steps)."""
 
 
 def _lrs(text: str) -> dict[str, float]:
@@ -113,7 +118,7 @@ def run(method: str, corpus: Corpus, setup: sweep.Setup, args: argparse.Namespac
     model = make_lm(cfg, seed=args.seed)
     opt = sweep.build_optimizer(arm, model, lr, setup)
     params = list(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sweep._lr_factor(s, setup.steps, setup.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sweep.lr_factor(s, setup.steps, setup.warmup))
     gen = torch.Generator().manual_seed(1_000_003 * (args.seed + 1) + comm.rank)  # same batches for every method
     curve = [(0, sweep.val_loss(model, corpus, comm, setup.context), 0)]
     sent, train_s = 0, 0.0
@@ -219,7 +224,7 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace, setup: swee
         f"{setup.context}, {params:,} parameters, byte vocabulary; corpus: Python's pydoc_data topics (train/val split).",
         f"- {size} ranks, {setup.batch} sequences per rank per step, {setup.steps} steps for every method, one seed "
         f"({args.seed}); AdamW-style steps (betas (0.9, 0.95), weight decay {setup.weight_decay}), gradients clipped "
-        f"to global norm {setup.clip}; peak LRs {lrs}: each method's best in `commwire bench lordo` unless given "
+        f"to global norm {setup.clip}; peak LRs {lrs}: each method's best in `benchmarks/lordo.py` unless given "
         f"with --lr (that benchmark's table, mean ± std over 3 seeds, is the tuned comparison); "
         f"{int(100 * setup.warmup)}% warm-up then cosine to 10%.",
         f"- DiLoCo syncs every K={setup.sync_every} steps with a Nesterov outer step (lr {setup.outer_lr}, momentum "

@@ -33,7 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "CASES"]
+__all__ = ["NAME", "HELP", "DRIVER", "build_parser", "main", "CASES"]
+
+NAME = "agreement"
+HELP = "bad arguments and uncaught exceptions under plain mpiexec: every rank raises in time"
+DRIVER = True
 
 CASES = ("unsupported dtype", "avg of integers", "root out of range", "roots differ", "mismatched shape",
          "mismatched shape (large)")
@@ -150,7 +154,8 @@ def format_table(rows: list[dict[str, Any]], uncaught_row: dict[str, Any] | None
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench agreement``."""
     parser = argparse.ArgumentParser(prog="commwire bench agreement", description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, default=4, help="ranks per job (default 4)")
     parser.add_argument("--repeats", type=int, default=20, help="repetitions per case (default 20)")
@@ -158,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-uncaught", action="store_true", help="only the caught bad-argument cases")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # inside the MPI job
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the cases in one MPI job and the uncaught-exception jobs; exit 1 if any failed."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.np < 2 or args.repeats < 1:
         parser.error("--np must be >= 2 and --repeats >= 1")

@@ -20,7 +20,12 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["run_allreduce_bench", "format_table", "main", "parse_size"]
+__all__ = ["NAME", "HELP", "DRIVER", "run_allreduce_bench", "format_table", "build_parser", "check_args", "main",
+           "parse_size"]
+
+NAME = "allreduce"
+HELP = "plain and compressed all-reduce vs raw mpi4py Allreduce"
+DRIVER = False
 
 DEFAULT_SIZES = "8,64,1K,16K,256K,1M,4M,16M,64M"
 
@@ -166,8 +171,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run the benchmark on the current MPI world, print rank 0's table."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench allreduce``."""
     parser = argparse.ArgumentParser(prog="commwire bench allreduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes (bytes, K, M)")
@@ -177,6 +182,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare compressed all-reduces with the FP32 one: a spec or a comma list "
                              "(e.g. fp8-e4m3,nvfp4)")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a bad ``--sizes`` or ``--codec`` with a ValueError that names the option, before any rank starts."""
+    from ..codecs import registry
+
+    for item in filter(None, (s.strip() for s in args.sizes.split(","))):
+        try:
+            parse_size(item)
+        except ValueError as exc:
+            raise ValueError(f"--sizes: {exc}; give sizes of 4 bytes or more, e.g. --sizes 8,64K,1M") from None
+    for spec in filter(None, (s.strip() for s in (args.codec or "").split(","))):
+        try:
+            registry.get(spec)
+        except ValueError as exc:
+            raise ValueError(f"--codec: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the benchmark on the current MPI world, print rank 0's table."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]

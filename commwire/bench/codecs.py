@@ -23,7 +23,11 @@ import numpy as np
 
 from commwire import codecs as _codecs
 
-__all__ = ["DEFAULT_CODECS", "run_codec_bench", "format_table", "main"]
+__all__ = ["NAME", "HELP", "DRIVER", "DEFAULT_CODECS", "run_codec_bench", "format_table", "build_parser", "main"]
+
+NAME = "codecs"
+HELP = "codec encode/decode throughput vs memcpy, round-trip error"
+DRIVER = False
 
 DEFAULT_CODECS = ("none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "nvfp4", "hadamard+nvfp4")
 
@@ -111,7 +115,8 @@ def run_codec_bench(
 
 def format_table(rows: list[dict]) -> str:
     """Return the benchmark rows as an aligned text table."""
-    header = ("codec", "MB", "B/elem", "enc GB/s", "dec GB/s", "memcpy", "enc/mc", "dec/mc", "relL2 gauss", "relL2 grads")
+    header = ("codec", "MB", "B/elem", "enc GB/s", "dec GB/s", "memcpy", "enc/mc", "dec/mc", "relL2 gauss",
+              "relL2 grads")
     lines = [header]
     for r in rows:
         lines.append((
@@ -123,14 +128,19 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse arguments, run the benchmark and print the table."""
-    parser = argparse.ArgumentParser(prog="python -m commwire.bench.codecs", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench codecs``."""
+    parser = argparse.ArgumentParser(prog="commwire bench codecs", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[64.0], help="array sizes in MB of float32")
     parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS), help="codec specs")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best is kept)")
     parser.add_argument("--threads", type=int, default=None, help="CPU kernel threads (default: cores / local ranks)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run the benchmark and print the table."""
+    args = build_parser().parse_args(argv)
     _codecs.set_threads(args.threads)
     print(format_table(run_codec_bench(sizes=args.sizes, codecs=args.codecs, repeats=args.repeats)))
     return 0

@@ -37,7 +37,11 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["run_ddp_bench", "over_seeds", "format_table", "main", "CONFIGS"]
+__all__ = ["NAME", "HELP", "DRIVER", "build_parser", "run_ddp_bench", "over_seeds", "format_table", "main", "CONFIGS"]
+
+NAME = "ddp"
+HELP = "DDP communication hooks: DDP's own (bf16, PowerSGD) vs commwire's codecs; --seeds"
+DRIVER = False
 
 CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
            "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4", "no communication")
@@ -289,8 +293,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, run the benchmark, print the table on rank 0."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench ddp``."""
     parser = argparse.ArgumentParser(prog="commwire bench ddp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
     parser.add_argument("--d-model", type=int, default=192, help="transformer width (default 192)")
@@ -307,6 +311,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="every configuration's optimizer: torch's default AdamW (on the CPU a loop over the "
                              "parameters) or AdamW(fused=True), the same update in one kernel (default adamw)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the benchmark, print the table on rank 0."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     bad = [c for c in configs if c not in CONFIGS]

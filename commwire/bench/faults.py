@@ -43,7 +43,11 @@ from typing import Any
 from ._progress import Steps
 from ._report import emit
 
-__all__ = ["SCENARIOS", "run_fault_bench", "format_table", "main"]
+__all__ = ["NAME", "HELP", "DRIVER", "build_parser", "SCENARIOS", "run_fault_bench", "format_table", "main"]
+
+NAME = "faults"
+HELP = "kill -9 / raise / stall / link-cut / crash-and-resume jobs: each ends in time, rank named"
+DRIVER = True
 
 _SCRIPT = r'''
 import os, signal, sys, time
@@ -328,8 +332,8 @@ def format_table(records: list[dict[str, Any]], timeout: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run the scenarios, print the table; exit 1 if any run failed."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench faults``."""
     parser = argparse.ArgumentParser(prog="commwire bench faults", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="kill9,raise,stall", help=f"comma list of {', '.join(SCENARIOS)}")
@@ -338,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3.0, help="watchdog timeout inside the jobs (s)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--quiet", action="store_true", help="print only failures and the table")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the scenarios, print the table; exit 1 if any run failed."""
+    args = build_parser().parse_args(argv)
     records = run_fault_bench([s.strip() for s in args.scenarios.split(",") if s.strip()],
                               repeats=args.repeats, np_=args.np_, timeout=args.timeout, quiet=args.quiet)
     emit(format_table(records, args.timeout), records, args.json_path)

@@ -38,7 +38,12 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["DATASETS", "run_glm_bench", "format_table", "summarize_auto", "main"]
+__all__ = ["NAME", "HELP", "DRIVER", "DATASETS", "run_glm_bench", "format_table", "summarize_auto", "build_parser",
+           "check_args", "main"]
+
+NAME = "glm"
+HELP = 'GLM SGD vs CA-SGD (s-step Gram exchange), fixed s and s="auto"'
+DRIVER = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,7 +66,7 @@ DATASETS: dict[str, BenchSet] = {
     "poisson": BenchSet(loss="poisson", m=500_000, n=64, lr=0.2, l2=1e-4,
                         note="500k x 64 dense Poisson, log link"),
     "logistic-20k": BenchSet(loss="logistic", m=20_000, n=512, lr=1.0, l2=1e-4,
-                             note="20k x 512 dense logistic: the s='auto' comparison (issue #17)"),
+                             note="20k x 512 dense logistic: the s='auto' comparison"),
 }
 
 
@@ -376,8 +381,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no rows)"
     head = ["data set", "m x n", "solver", "precision", "s", "b", "steps", "wall s", "spread", "µs/step",
-            "compute µs/step", "allreduces", "bytes/rank", "bytes/outer", "final loss", "loss gap", "speed-up vs FP32 SGD",
-            "best-of speed-up"]
+            "compute µs/step", "allreduces", "bytes/rank", "bytes/outer", "final loss", "loss gap",
+            "speed-up vs FP32 SGD", "best-of speed-up"]
     before, after = rows[0]["small_allreduce_us"]
     out = [f"{rows[0]['ranks']} ranks; a 16-float allreduce took {before:.1f} µs before the runs and "
            f"{after:.1f} µs after them (median, slowest rank). Wall time: median of the interleaved "
@@ -442,8 +447,8 @@ def _ints(text: str) -> tuple[int, ...]:
         raise ValueError(f"{text!r} is not a comma-separated list of integers like 1,2,4") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run the benchmark on the current MPI world, print rank 0's tables."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench glm``."""
     parser = argparse.ArgumentParser(prog="commwire bench glm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", default=",".join(DATASETS), help="headline data sets (comma-separated)")
@@ -468,7 +473,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="BLAS (and codec) threads per rank; default: this rank's share of the cores")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse an unknown data set in ``--datasets`` or ``--sweep`` with a ValueError that names the option."""
+    for option, text in (("--datasets", args.datasets), ("--sweep", args.sweep)):
+        unknown = [name for name in filter(None, (s.strip() for s in text.split(","))) if name not in DATASETS]
+        if unknown:
+            raise ValueError(f"{option}: data set {unknown[0]!r} is unknown; choose from {', '.join(DATASETS)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the benchmark on the current MPI world, print rank 0's tables."""
+    args = build_parser().parse_args(argv)
     import commwire as cw
     from ..codecs import set_threads
 

@@ -26,7 +26,11 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["run_grouped_bench", "main"]
+__all__ = ["NAME", "HELP", "DRIVER", "build_parser", "run_grouped_bench", "main"]
+
+NAME = "grouped"
+HELP = "grouped_allreduce of many small tensors vs one fused allreduce of the same bytes"
+DRIVER = False
 
 
 def _median_slowest(comm: Any, fn: Callable[[], Any], iters: int) -> float:
@@ -92,8 +96,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, run the benchmark, print the table on rank 0."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench grouped``."""
     parser = argparse.ArgumentParser(prog="commwire bench grouped", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=int, default=100, help="number of tensors (default 100)")
     parser.add_argument("--elements", default="16,256,4096",
@@ -101,6 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=50, help="calls per timed batch (default 50)")
     parser.add_argument("--repeats", type=int, default=7, help="timed batches per variant (default 7)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the benchmark, print the table on rank 0."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         sizes = [int(v) for v in args.elements.split(",") if v.strip()]

@@ -49,8 +49,12 @@ __all__ = [
     "BENCHES", "LOOPBACK_BENCHES", "LAB_BENCHES", "LAB_HOSTS", "CODECS",
     "SuiteConfig", "Part", "PartResult", "SuiteOutcome", "Progress",
     "parse_only", "parse_lab", "plan", "part_argv", "run_part", "run_suite", "headline", "write_report",
-    "main",
+    "NAME", "HELP", "DRIVER", "build_parser", "main",
 ]
+
+NAME = "suite"
+HELP = "all of allreduce, glm, torch (loopback and --lab bandwidths): JSON + Markdown + PNG report"
+DRIVER = True
 
 BENCHES = ("allreduce", "glm", "torch")
 """Names accepted by ``--only``."""
@@ -338,7 +342,6 @@ def run_part(part: Part, index: int, config: SuiteConfig, progress: Progress) ->
     return PartResult(bench=part.bench, name=part.name, where=part.where, argv=argv, rc=rc,
                       wall_s=time.monotonic() - start, rows=rows or [], stderr_tail=list(tail), error=error,
                       log=str(log_path.relative_to(config.out)))
-
 
 
 def _preflight(config: SuiteConfig) -> None:
@@ -910,7 +913,8 @@ def write_report(out: Path | str, meta: dict[str, Any], results: Sequence[PartRe
 # --------------------------------------------------------------------------- command line
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench suite``."""
     parser = argparse.ArgumentParser(prog="commwire bench suite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="reports/suite", help="report folder (default reports/suite)")
@@ -926,7 +930,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run the suite, write the report; return 1 if any part failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = SuiteConfig(out=Path(args.out), np=args.np, quick=args.quick, lab=(args.lab,), only=(args.only,),

@@ -22,7 +22,11 @@ import numpy as np
 
 from ._report import emit
 
-__all__ = ["run_torch_bench", "format_table", "main", "make_model"]
+__all__ = ["NAME", "HELP", "DRIVER", "build_parser", "run_torch_bench", "format_table", "main", "make_model"]
+
+NAME = "torch"
+HELP = "DistributedOptimizer vs torch DDP over gloo, codecs, fusion, overlap"
+DRIVER = False
 
 
 def make_model(layers: int, width: int) -> Any:
@@ -148,7 +152,8 @@ def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, step
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table."""
-    head = "| config | ranks | tensors | median step ms | ratio vs DDP | wire MB/step | collectives/step | hidden comm |"
+    head = ("| config | ranks | tensors | median step ms | ratio vs DDP | wire MB/step | collectives/step | "
+            "hidden comm |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['ranks']} | {r['tensors']} | {r['step_ms']:.1f} | "
@@ -157,8 +162,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run on the current MPI world and print rank 0's table."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench torch``."""
     parser = argparse.ArgumentParser(prog="commwire bench torch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=50, help="Linear layers (2 parameter tensors each)")
@@ -170,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-unfused", dest="unfused", action="store_false", help="skip the unfused run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", dest="json_path")
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run on the current MPI world and print rank 0's table."""
+    a = build_parser().parse_args(argv)
     rows = run_torch_bench(layers=a.layers, width=a.width, batch=a.batch, steps=a.steps, rounds=a.rounds,
                            codecs=a.codecs, unfused=a.unfused, threads=a.threads)
     import commwire as cw

@@ -6,41 +6,24 @@ Commands only parse arguments and delegate to library functions
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib
-import importlib.util
 import io
 import os
 import signal
 import subprocess
 import sys
 import time
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import click
 
+from .. import bench as benchmarks
 from .. import launch
 
 __all__ = ["cli", "main"]
 
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_interspersed_args": False}
-BENCHMARKS = {  # name -> module under commwire.bench
-    "allreduce": "allreduce",
-    "codecs": "codecs",
-    "glm": "glm",
-    "torch": "torch_ddp",
-    "grouped": "grouped",
-    "ddp": "ddp",
-    "lordo": "lordo",
-    "agreement": "agreement",
-    "faults": "faults",
-    "gift": "gift",
-    "project": "project",
-    "suite": "suite",
-}
-# Benchmarks that launch their own MPI jobs: never run under mpiexec; -np N becomes their --np N.
-DRIVERS = {"suite", "faults", "agreement"}
 # horovodrun waits 30 s; a rank counts as started once its Python runs, which on
 # a loaded 2-core CI machine (4 ranks, imports from a cold disk) can take 10-20 s.
 DEFAULT_START_TIMEOUT = 60.0
@@ -198,7 +181,7 @@ def _check_command_words(ctx: click.Context, command: tuple[str, ...]) -> None:
         close = difflib.get_close_matches(word.partition("=")[0], known, n=3, cutoff=0.6)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise _Refused(f"no such option: {word.partition('=')[0]}; {hint}(commwire run --help lists "
-                               "the options; launcher flags go in --mpi-args '...')")
+                       "the options; launcher flags go in --mpi-args '...')")
 
 
 def _spawn(argv: list[str], env: dict[str, str], watch: Callable[[], int | None] | None = None) -> int:
@@ -301,126 +284,81 @@ def info() -> None:
     click.echo(format_info(collect(), diagnose()))
 
 
-@cli.command(context_settings={"ignore_unknown_options": True})
-@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
+class _BenchName(click.ParamType):
+    """A benchmark's name, checked against ``commwire.bench``'s registry (imported only when ``bench`` runs)."""
+
+    name = "name"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "NAME"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if value in benchmarks.STUDIES:
+            return value  # the command refuses it with the command line that runs the study
+        return click.Choice(sorted(benchmarks.registry())).convert(value, param, ctx)
+
+
+class _BenchCommand(click.Command):
+    """``commwire bench``, whose help lists the registry's benchmarks and the research studies."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        with formatter.section("Benchmarks"):
+            formatter.write_dl([(name, module.HELP) for name, module in benchmarks.registry().items()])
+        with formatter.section("Research studies (from a checkout of the repository)"):
+            formatter.write_dl([(name, f"{command} ...") for name, command in benchmarks.STUDIES.items()])
+
+
+@cli.command(cls=_BenchCommand, context_settings={"ignore_unknown_options": True})
+@click.argument("name", type=_BenchName())
 @click.option("-np", "-n", "np_", type=click.IntRange(min=1), default=None,
               help="launch the benchmark on N local ranks")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(name: str, np_: int | None, args: tuple[str, ...]) -> None:
-    """Run benchmark NAME (extra ARGS go to it; ``commwire bench NAME -- --help`` lists them).
-
-    \b
-    allreduce  plain and compressed all-reduce vs raw mpi4py Allreduce
-    codecs     codec encode/decode throughput vs memcpy, round-trip error
-    glm        GLM SGD vs CA-SGD (s-step Gram exchange), fixed s and s="auto"
-    torch      DistributedOptimizer vs torch DDP over gloo, codecs, fusion, overlap
-    grouped    grouped_allreduce of many small tensors vs one fused allreduce of the same bytes
-    ddp        DDP communication hooks: DDP's own (bf16, PowerSGD) vs commwire's codecs; --seeds
-    lordo      LoRDO vs DDP-Adam, low-rank DDP, DiLoCo: one LR grid, several seeds
-    gift       GIFT vs direct, EF, block-scaled and Hadamard FP8/NVFP4 on an outlier-feature LM
-    agreement  bad arguments and uncaught exceptions under plain mpiexec: every rank raises in time
-    faults     kill -9 / raise / stall / link-cut / crash-and-resume jobs: each ends in time, rank named
-    project    alpha-beta cost model: fit on measurements, validate, project to 1024 nodes
-    suite      all of allreduce, glm, torch (loopback and --lab bandwidths): JSON + Markdown + PNG report
-    """
-    module_name = f"commwire.bench.{BENCHMARKS[name]}"
-    if importlib.util.find_spec(module_name) is None:
-        raise click.ClickException(f"benchmark {name!r} is not installed in this commwire build")
-    module = importlib.import_module(module_name)
+    """Run benchmark NAME (extra ARGS go to it; ``commwire bench NAME -- --help`` lists them)."""
+    if name in benchmarks.STUDIES:
+        study = benchmarks.STUDIES[name]
+        raise _Refused(f"{name} is a research study, not a benchmark of the package; from a checkout of the "
+                       f"repository run: {study} ... (python {study.split()[-1]} --help lists the options)")
+    module = benchmarks.registry()[name]
     # A driver starts `commwire run` jobs itself: it runs here, with -np passed on to it.
-    argv = [*(["--np", str(np_)] if np_ is not None and name in DRIVERS else []), *args]
+    argv = [*(["--np", str(np_)] if np_ is not None and module.DRIVER else []), *args]
     _check_bench_args(name, module, argv)  # here, once, rather than a traceback on every rank
-    if np_ is not None and np_ > 1 and name not in DRIVERS:
+    if np_ is not None and np_ > 1 and not module.DRIVER:
         try:
-            command = launch.build_command(launch.find_launcher(), np_, [sys.executable, "-m", module_name, *args],
-                                           env={"COMMWIRE_RUN": "1"})
+            command = launch.build_command(launch.find_launcher(), np_,
+                                           [sys.executable, "-m", module.__name__, *args], env={"COMMWIRE_RUN": "1"})
         except (RuntimeError, ValueError) as exc:
             raise click.ClickException(str(exc)) from exc
         sys.exit(_spawn(command, {"COMMWIRE_RUN": "1"}))
     try:
         status = module.main(argv) or 0
     except ValueError as exc:  # benchmarks refuse a bad value with a ValueError that names it
-        raise _Refused(f"{exc} (python -m {module_name} ... shows the traceback)") from None
+        raise _Refused(f"{exc} (python -m {module.__name__} ... shows the traceback)") from None
     sys.exit(status)
 
 
-class _Parsed(Exception):
-    """Raised in place of running a benchmark once its own parser has accepted the arguments."""
+def _check_bench_args(name: str, module: ModuleType, argv: list[str]) -> None:
+    """Parse ``argv`` with the benchmark's own parser and checks, without running it; refuse bad values in one line.
 
-    def __init__(self, namespace: argparse.Namespace) -> None:
-        super().__init__()
-        self.namespace = namespace
-
-
-def _check_bench_args(name: str, module: Any, argv: list[str]) -> None:
-    """Parse ``argv`` with the benchmark's own argparse parser without running it; refuse bad values in one line.
-
-    The parser is built inside each benchmark's ``main``: run ``main`` with
-    ``parse_args`` made to stop right after parsing. ``--help`` prints and exits.
+    ``--help`` prints the benchmark's help and exits.
     """
-    if "parse_args" not in getattr(getattr(module.main, "__code__", None), "co_names", ()):
-        return  # no argparse parser to ask (e.g. a test's stand-in)
-    real = argparse.ArgumentParser.parse_args
-
-    def parse_only(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
-        raise _Parsed(real(self, args, namespace))
-
     err = io.StringIO()
-    argparse.ArgumentParser.parse_args = parse_only  # type: ignore[method-assign]
     try:
         with contextlib.redirect_stderr(err):
-            module.main(argv)
-    except _Parsed as parsed:
-        namespace = parsed.namespace
+            namespace = module.build_parser().parse_args(argv)
     except SystemExit as exc:
         if exc.code in (0, None):
             raise  # --help has been printed
         lines = err.getvalue().strip().splitlines() or [f"bad arguments {argv}"]
         message = lines[-1].partition(": error: ")[2] or lines[-1]
         raise _Refused(f"{message} (commwire bench {name} -- --help lists the options)") from None
-    else:
-        return
-    finally:
-        argparse.ArgumentParser.parse_args = real  # type: ignore[method-assign]
-    try:
-        for option, check in _BENCH_CHECKS.get(name, {}).items():
-            value = getattr(namespace, option.lstrip("-").replace("-", "_"), None)
-            if value:
-                check(value)
-    except ValueError as exc:
-        raise _Refused(f"{option}: {exc}") from None
-
-
-def _check_sizes(text: str) -> None:
-    from ..bench.allreduce import parse_size
-
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    check = getattr(module, "check_args", None)
+    if check is not None:
         try:
-            parse_size(item)
+            check(namespace)
         except ValueError as exc:
-            raise ValueError(f"{exc}; give sizes of 4 bytes or more, e.g. --sizes 8,64K,1M") from None
-
-
-def _check_codecs(text: str) -> None:
-    from ..codecs import registry
-
-    for spec in filter(None, (s.strip() for s in text.split(","))):
-        registry.get(spec)
-
-
-def _check_datasets(text: str) -> None:
-    from ..bench.glm import DATASETS
-
-    unknown = [name for name in filter(None, (s.strip() for s in text.split(","))) if name not in DATASETS]
-    if unknown:
-        raise ValueError(f"data set {unknown[0]!r} is unknown; choose from {', '.join(DATASETS)}")
-
-
-# Values a benchmark's parser accepts as text and checks only once it runs on every rank.
-_BENCH_CHECKS: dict[str, dict[str, Callable[[str], None]]] = {
-    "allreduce": {"--sizes": _check_sizes, "--codec": _check_codecs},
-    "glm": {"--datasets": _check_datasets, "--sweep": _check_datasets},
-}
+            raise _Refused(str(exc)) from None
 
 
 @cli.group()
@@ -517,7 +455,7 @@ def _where(argv: list[str]) -> str:
         if isinstance(command, click.Group) and word in command.commands:
             words.append(word)
             command = command.commands[word]
-        elif command is bench and word in BENCHMARKS:
+        elif command is bench and (word in benchmarks.STUDIES or word in benchmarks.registry()):
             return " ".join([*words, word])
         elif not word.startswith("-"):
             break

@@ -1,16 +1,14 @@
 """Choose CA-SGD's s at fit time (s="auto") from the measured link and the measured local work.
 
-The cost model is the one ``commwire bench project`` fits (commwire.bench.project):
-all-reduces of each candidate's payload, timed on the ranks that will train, fix
-α, α_large and β (``fit_link`` picks the tbf or the plain link shape); the loop's
-own local work per exchange (gather, Gram, recurrence, update) is timed for each
-candidate by running the training engine over a communicator that sends nothing.
-The choice is the smallest s whose modelled time per inner step (``casgd_step_seconds``)
-is within ``MARGIN`` of the least: the model is good to about 10-20% (``commwire bench
-project``), a larger s sends more bytes per step (the Gram adds (s-1)/2 b^2 numbers a
-step) and holds a larger panel, so it has to win clearly. Measured on 4 lab hosts at
-1 Gbit/s (20k x 512 logistic, b=4), the model put s=64 3% ahead of s=32 while s=64
-ran 1.2-1.8x slower.
+The cost model is :mod:`commwire.costmodel`: all-reduces of each candidate's
+payload, timed on the ranks that will train, fix α, α_large and β (``fit_link``
+picks the tbf or the plain link shape); the loop's own local work per exchange
+(gather, Gram, recurrence, update) is timed for each candidate by running the
+training engine over a communicator that sends nothing. The choice is the
+smallest s whose modelled time per inner step (``casgd_step_seconds``) is within
+``MARGIN`` of the least: the model's error is of the order of the gaps between
+neighbouring candidates, and a larger s sends more bytes per step (the Gram adds
+(s-1)/2 b^2 numbers a step) and holds a larger panel, so it has to win clearly.
 
 Every rank measures, the measurements are reduced with MAX (the slowest rank sets
 the pace), and rank 0's choice is broadcast, so all ranks run the same s.
@@ -24,6 +22,8 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+from .. import costmodel
 
 __all__ = ["AutoS", "CANDIDATES", "MARGIN", "MAX_ROWS", "NO_COMM", "candidates", "choose"]
 
@@ -58,7 +58,7 @@ class AutoS:
     """Measured all-reduce of each candidate's payload (slowest rank; nan: over MEASURED_BYTES, predicted;
     empty on one rank)."""
     link: Any
-    """The fitted commwire.bench.project.LinkModel (None on one rank)."""
+    """The fitted commwire.costmodel.LinkModel (None on one rank)."""
     tune_s: float
     """Wall time this rank spent choosing."""
     allreduces: int
@@ -146,15 +146,13 @@ def _time_allreduces(comm: Any, sizes: list[int], dtype: Any, xp: Any = np) -> t
 
 def _link(p: int, nbytes: list[int], seconds: list[float]) -> Any:
     """Fit the link model to the all-reduce samples; without a visible bandwidth, a latency-only link."""
-    from ..bench import project
-
     samples = [(p, float(n), t) for n, t in zip(nbytes, seconds)]
     try:
-        return project.fit_link(samples)
+        return costmodel.fit_link(samples)
     except ValueError:
         # The times do not grow with size: bytes are free at these sizes, latency is all.
-        per_round = [t / max(1, len(project._rounds(n, p))) for _, n, t in samples]
-        return project.LinkModel(alpha=float(np.median(per_round)), beta=1e-15)
+        per_round = [t / max(1, len(costmodel.rounds(n, p))) for _, n, t in samples]
+        return costmodel.LinkModel(alpha=float(np.median(per_round)), beta=1e-15)
 
 
 def choose(comm: Any, b: int, m: int, comm_dtype: Any, work: Callable[[int, int], float], xp: Any = np) -> AutoS:
@@ -167,15 +165,13 @@ def choose(comm: Any, b: int, m: int, comm_dtype: Any, work: Callable[[int, int]
         work: work(s, k) -> seconds per exchange of k exchanges of the loop's local work at s.
         xp: the array module of the training payload (numpy or cupy).
     """
-    from ..bench import project
-
     start = time.perf_counter()
     cands = candidates(b, m)
     dtype = np.dtype(comm_dtype)
     if len(cands) == 1:
         return AutoS(s=cands[0], candidates=cands, step_s=(math.nan,), compute_s=(math.nan,), allreduce_s=(),
                      link=None, tune_s=time.perf_counter() - start, allreduces=0)
-    calls, sizes = 0, [project.sstep_words(s, b) for s in cands]
+    calls, sizes = 0, [costmodel.sstep_words(s, b) for s in cands]
     if comm.size > 1:
         # The slowest rank sets the pace: times are MAX-reduced, identical on every rank.
         timed = [n for n in sizes if n * dtype.itemsize <= MEASURED_BYTES] or sizes[:2]
@@ -184,17 +180,17 @@ def choose(comm: Any, b: int, m: int, comm_dtype: Any, work: Callable[[int, int]
         link = _link(comm.size, [n * dtype.itemsize for n in timed], agreed.tolist())
         measured = agreed.tolist() + [math.nan] * (len(sizes) - len(timed))
     else:
-        measured, link = [], project.LinkModel(alpha=0.0, beta=1.0)  # one rank: no message is sent
+        measured, link = [], costmodel.LinkModel(alpha=0.0, beta=1.0)  # one rank: no message is sent
 
     def step(s: int, c: float) -> float:
-        return project.casgd_step_seconds(link, comm.size, b, s, c, dtype.itemsize)
+        return costmodel.casgd_step_seconds(link, comm.size, b, s, c, dtype.itemsize)
 
     compute = np.array(_time_candidates(work, cands, step))
     if comm.size > 1:
         comm.allreduce(compute, op="max", out=compute)
         calls += 2
-    best, per_step = project.choose_s(link, comm.size, b, dict(zip(cands, compute.tolist())), dtype.itemsize,
-                                      margin=MARGIN)
+    best, per_step = costmodel.choose_s(link, comm.size, b, dict(zip(cands, compute.tolist())), dtype.itemsize,
+                                        margin=MARGIN)
     if comm.size > 1:
         best = int(comm.broadcast_object(best if comm.rank == 0 else None, root=0))
     return AutoS(s=best, candidates=cands, step_s=tuple(per_step[s] for s in cands),

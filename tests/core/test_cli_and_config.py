@@ -97,6 +97,20 @@ def test_cli_run_rejects_bad_env_pair(capsys):
     assert "not VAR or VAR=value" in capsys.readouterr().err
 
 
+def test_every_registered_benchmark_declares_what_the_cli_needs(capsys):
+    from commwire.bench import MODULES, STUDIES, registry
+
+    found = registry()
+    assert len(found) == len(MODULES) and not set(found) & set(STUDIES)
+    for name, module in found.items():
+        assert isinstance(module.HELP, str) and "\n" not in module.HELP and isinstance(module.DRIVER, bool)
+        assert main(["bench", name, "--", "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"usage: commwire bench {name} "), name
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in [*found, *STUDIES]) and "python benchmarks/lordo.py" in out
+
+
 def test_cli_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

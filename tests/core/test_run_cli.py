@@ -145,6 +145,11 @@ def test_wrap_program(cmd, options, want):
     (["bench", "glm", "-np", "2", "--datasets", "nope"], "--datasets: data set 'nope' is unknown; choose from"),
     (["bench", "faults", "--scenarios", "nope"], "unknown scenarios ['nope']; choose from"),
     (["bench", "nope"], "'nope' is not one of 'agreement', 'allreduce'"),
+    (["bench", "lordo", "-np", "4", "--quick"], "from a checkout of the repository run: commwire run -np N python "
+                                                "benchmarks/lordo.py"),
+    (["bench", "gift", "--quick"], "commwire run -np N python benchmarks/gift.py"),
+    (["bench", "calibrate"], "python benchmarks/calibrate.py"),
+    (["bench", "project", "--size", "64M"], "give both --bandwidth and --latency"),
     (["bench"], "Missing argument"),
     (["lab", "up", "--hosts", "x"], "'x' is not a valid integer"),
     (["info", "--bogus"], "No such option"),

@@ -114,8 +114,10 @@ def test_distributed_optimizer_with_gift_keeps_ranks_identical():
 @pytest.mark.parametrize("spec", ["fp8-e4m3", "ef+nvfp4", "gift:rank=6+fp8-e4m3", "gift:rank=6+nvfp4"])
 @pytest.mark.parametrize("small", [True, False])
 def test_simulated_allreduce_is_bit_identical_to_the_real_collective(spec, small):
-    """The GIFT benchmark's one-process simulation (commwire.bench.simulated) against the real collective."""
-    from commwire.bench.simulated import SimulatedAllreduce
+    """The GIFT benchmark's one-process simulation (benchmarks/_simulated.py) against the real collective."""
+    from research import load
+
+    SimulatedAllreduce = load("_simulated").SimulatedAllreduce
     from commwire.codecs.collective import segment_bytes_for
 
     real = _refreshed(spec) if spec.startswith("gift") else codecs.get(spec)

@@ -1,4 +1,4 @@
-"""The GIFT evaluation (commwire.bench.gift) on a tiny model in one process — tier 1."""
+"""The GIFT evaluation (benchmarks/gift.py, a research study run from a checkout) on a tiny model — tier 1."""
 
 import json
 
@@ -7,12 +7,14 @@ import pytest
 
 pytest.importorskip("torch")
 
+from research import load  # noqa: E402
+
+gift_bench = load("gift")
+
 
 def test_quick_evaluation_reports_every_codec_against_the_fp32_reference(tmp_path):
-    from commwire.bench.gift import GiftBenchConfig, format_table, run_gift_bench, verdicts
-
-    cfg = GiftBenchConfig.quick()
-    result = run_gift_bench(cfg, out=tmp_path, argv=["--quick"])
+    cfg = gift_bench.GiftBenchConfig.quick()
+    result = gift_bench.run_gift_bench(cfg, out=tmp_path, argv=["--quick"])
     rows = {r["spec"]: r for r in result["rows"]}
     assert list(rows) == list(cfg.codecs) and len(result["runs"]) == len(cfg.codecs) * len(cfg.seeds)
     # FP32 is the reference itself, up to float32 rounding of the float64 average; 4 bytes per value.
@@ -34,9 +36,9 @@ def test_quick_evaluation_reports_every_codec_against_the_fp32_reference(tmp_pat
     assert 0.1 < lo <= hi < 10.0
     # Paired gaps to direct FP8: zero for FP8 itself.
     assert fp8["vs_fp8"] == (0.0, 0.0)
-    table = format_table(result["rows"])
+    table = gift_bench.format_table(result["rows"])
     assert table.count("\n") == len(cfg.codecs) + 1
-    assert any(v.startswith("Target:") for v in verdicts(result["rows"]))
+    assert any(v.startswith("Target:") for v in gift_bench.verdicts(result["rows"]))
     report = (tmp_path / "gift_report.md").read_text()
     assert "Verdicts" in report and "validation loss" in report.lower()
     saved = json.loads((tmp_path / "gift_results.json").read_text())
@@ -44,9 +46,7 @@ def test_quick_evaluation_reports_every_codec_against_the_fp32_reference(tmp_pat
 
 
 def test_bad_configuration_names_the_field():
-    from commwire.bench.gift import GiftBenchConfig
-
     with pytest.raises(ValueError, match="layout='rows'"):
-        GiftBenchConfig(layout="rows")
+        gift_bench.GiftBenchConfig(layout="rows")
     with pytest.raises(ValueError, match="measure_from=0"):
-        GiftBenchConfig(measure_from=0)
+        gift_bench.GiftBenchConfig(measure_from=0)

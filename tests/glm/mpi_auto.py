@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import commwire as cw
-from commwire import glm
-from commwire.bench import project
+from commwire import costmodel, glm
 from commwire.glm import GLM, _auto
 from _reference import make_data, rel, sgd
 
@@ -35,7 +34,7 @@ def test_every_rank_uses_the_same_s_and_the_iterates_stay_sgd() -> None:
     auto = result.auto
     seen = COMM.allgather_object(repr((result.s, auto.s, auto.compute_s, auto.allreduce_s, auto.step_s)))
     assert len(set(seen)) == 1, seen  # the same s, and the same (MAX-reduced) measurements everywhere (nan too)
-    assert isinstance(auto.link, project.LinkModel) and auto.link.beta > 0
+    assert isinstance(auto.link, costmodel.LinkModel) and auto.link.beta > 0
     assert len(auto.allreduce_s) == len(auto.candidates) and auto.allreduces > 0
     assert result.n_exchanges == math.ceil(75 / result.s)
     w_ref, _ = sgd(X, y, "poisson", glm.batch_indices(512, 8, 75, seed=2), 0.05, 0.01)

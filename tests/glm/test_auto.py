@@ -1,7 +1,7 @@
 """s="auto": candidates, the timed-candidate pruning, the chosen s, s_ and bad input — tier 1 (single process).
 
 The choice itself is checked against a cost written out by hand in
-tests/core/test_project.py; agreement across ranks and errors on every rank are
+tests/core/test_costmodel.py; agreement across ranks and errors on every rank are
 in mpi_auto.py (run by test_mpi.py under mpiexec).
 """
 
@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import commwire as cw
-from commwire import glm
-from commwire.bench import project
+from commwire import costmodel, glm
 from commwire.glm import GLM, _auto
 from _reference import make_data, rel, sgd
 
@@ -68,7 +67,7 @@ def test_auto_picks_the_modelled_best_and_keeps_the_iterates() -> None:
 
 def test_auto_uses_the_fitted_link(monkeypatch) -> None:
     # A slow link (as measured on several ranks) makes the largest s pay, through the same model.
-    slow = project.LinkModel(alpha=1e-3, beta=1e-12)
+    slow = costmodel.LinkModel(alpha=1e-3, beta=1e-12)
     monkeypatch.setattr(_auto, "_link", lambda p, nbytes, seconds: slow)
 
     class TwoRanks:  # a communicator whose collectives are local: what _auto sees on 2 ranks

@@ -1,10 +1,10 @@
-"""LoRDO / DiLoCo / LocalSync / ``commwire bench lordo``.
+"""LoRDO / DiLoCo / LocalSync (the learning-rate sweep's tests: test_lordo_bench.py).
 
 Tiers: tier 1 (this file, one process): the update rule against an
 independent float64 re-statement written here (``reference_run``), the
 fixed-basis displacement with and without error feedback, memory and byte
 accounting, clipping, the warm-up and beta switch, checkpoints, numpy/torch
-agreement, stagnation at ω = 1, bad input, the bench's report. Tier 2
+agreement, stagnation at ω = 1, bad input. Tier 2
 (``mpi_lordo.py`` under mpiexec, 2 ranks; 4 ranks marked slow): identical
 projections, warm-up weights identical on every rank, bytes against the
 counters, resume. Tier 3 (CUDA, skipped without a device): every state
@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 
 import commwire as cw  # noqa: E402
 import commwire.torch as hvd  # noqa: E402
-from commwire.schedules import LocalSyncConfig, LoRDOConfig  # noqa: E402
-from commwire.schedules import lordo as L  # noqa: E402
+from commwire.optim import lordo as L  # noqa: E402
+from commwire.schedules import LocalSyncConfig, LoRDOConfig, LoRDOSchedule  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -67,7 +67,7 @@ def reference_run(params: dict, grad_fn, steps: int, *, r: int, K: int, lr: floa
                   basis: dict | None = None):
     """Restate the LoRDO local update on one rank in plain float64 numpy, step by step.
 
-    ``qh_uses_error`` puts Ĝ + E in the QH term (the rule issue #17 reported as wrong).
+    ``qh_uses_error`` puts Ĝ + E in the QH term (a wrong rule: it re-applies past projection residuals).
     ``basis`` fixes the bases (no refresh). Returns the weights after every step.
     """
     th = {n: p.astype(np.float64).copy() for n, p in params.items()}
@@ -162,7 +162,7 @@ def _engine_run(params, grad_fn, steps, *, K, lr, kind="numpy", **config):
     cfg = LoRDOConfig(rank=config.pop("r"), warmup_steps=warm.get("warmup", 0),
                       switch_betas=warm.get("switch_betas"), switch_reset_moments=warm.get("reset", False),
                       switch_lr_scale=warm.get("lr_scale", 1.0), **config)
-    opt = L.LoRDO(arrays, cfg, LocalSyncConfig(sync_every=K))
+    opt = LoRDOSchedule(arrays, cfg, LocalSyncConfig(sync_every=K))
     history = []
     for t in range(1, steps + 1):
         th = {n: np.asarray(a) for n, a in arrays}
@@ -200,8 +200,8 @@ def test_update_rule_matches_the_reference(case, kind):
 
 @pytest.mark.parametrize("shape", [(8, 12), (12, 8)])
 def test_fixed_basis_displacement_is_the_same_with_and_without_error_feedback(shape):
-    # Issue #17: with Ĝ + E in the QH term, a constant out-of-subspace gradient moved θ
-    # (K+1)/2 times as far after K steps; the QH term now uses Ĝ alone.
+    # With Ĝ + E in the QH term, a constant out-of-subspace gradient would move θ (K+1)/2 times
+    # as far after K steps; the QH term uses Ĝ alone, so error feedback must not change it.
     K, r, rng = 16, 2, np.random.default_rng(3)
     G = rng.standard_normal(shape)
     Q = np.linalg.qr(rng.standard_normal((min(shape), r)))[0]
@@ -432,7 +432,7 @@ def test_array_engine_state_dict_round_trip():
     hist, opt = _engine_run(params, grad_fn, 6, K=4, lr=0.05, r=2)
     saved = opt.state_dict()
     arrays = [(n, hist[-1][n].copy()) for n in params]
-    twin = L.LoRDO(arrays, LoRDOConfig(rank=2), LocalSyncConfig(sync_every=4))
+    twin = LoRDOSchedule(arrays, LoRDOConfig(rank=2), LocalSyncConfig(sync_every=4))
     twin.load_state_dict(saved)
     for t in range(7, 10):
         g = grad_fn(t, {n: a for n, a in opt.params})
@@ -441,8 +441,8 @@ def test_array_engine_state_dict_round_trip():
     for (n, a), (_, b) in zip(opt.params, arrays):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="same rank and error_feedback"):
-        L.LoRDO([(n, params[n].copy()) for n in params], LoRDOConfig(rank=2, error_feedback="none"),
-                LocalSyncConfig(sync_every=4)).load_state_dict(saved)
+        LoRDOSchedule([(n, params[n].copy()) for n in params], LoRDOConfig(rank=2, error_feedback="none"),
+                      LocalSyncConfig(sync_every=4)).load_state_dict(saved)
 
 
 def test_load_state_dict_rejects_a_foreign_checkpoint():
@@ -551,7 +551,7 @@ def test_array_schedule_matches_the_torch_optimizer(kind):
     opt = hvd.LoRDO(model.named_parameters(), lr=1e-2, sync_every=4, **kw)
     conv = (lambda t: t.detach().numpy().copy()) if kind == "numpy" else (lambda t: t.detach())
     arrays = [(n, conv(p)) for n, p in twin.named_parameters()]
-    sched = L.LoRDO(arrays, LoRDOConfig(**kw), LocalSyncConfig(sync_every=4))
+    sched = LoRDOSchedule(arrays, LoRDOConfig(**kw), LocalSyncConfig(sync_every=4))
     g = torch.Generator().manual_seed(0)
     for _ in range(13):
         x = torch.randn(8, 12, generator=g)
@@ -580,92 +580,6 @@ def test_low_rank_adam_refreshes_its_basis_from_the_gradient():
     np.testing.assert_allclose((basis.T @ basis).numpy(), np.eye(3), atol=1e-5)
     with pytest.raises(ValueError, match="refresh_every=0"):
         hvd.LowRankAdam(model.parameters(), rank=3, refresh_every=0)
-
-
-# -------------------------------------------------------------- the bench
-def _rows():
-    rows = []
-    for arm, label, base, nbytes in (("ddp", "DDP-Adam", 2.0, 1000.0), ("lowrank-ddp", "low-rank DDP", 2.1, 1000.0),
-                                     ("lordo", "LoRDO", 2.15, 70.0), ("lordo-omega1", "LoRDO ω=1", 2.4, 70.0)):
-        for lr, shift in ((1e-3, 0.1), (2e-3, 0.0), (4e-3, 0.05)):
-            for seed in range(3):
-                row = {"arm": arm, "label": label, "lr": lr, "seed": seed, "val": base + shift + 0.01 * seed,
-                       "bytes_per_step": nbytes, "state_bytes": 1 << 20, "wall_s": 1.0}
-                if arm.startswith("lordo"):
-                    one = arm == "lordo-omega1"
-                    row["stagnation"] = {"similarity": 1.0 if one else 0.9, "min_similarity": 1.0 if one else 0.8,
-                                         "max_rank": 4 if one else 30, "min_rank": 4 if one else 20,
-                                         "rank_le_r": 1.0 if one else 0.0}
-                rows.append(row)
-    return rows
-
-
-def test_summary_picks_the_best_mean_lr_and_reports_mean_and_std():
-    from commwire.bench import lordo as bench
-
-    summary = bench.summarize(_rows())
-    assert summary["ddp"]["best_lr"] == 2e-3 and not summary["ddp"]["edge"]
-    assert summary["lordo"]["mean"] == pytest.approx(2.16)
-    assert summary["lordo"]["std"] == pytest.approx(0.01)
-    text = bench.format_report(summary, bench.Setup(rank=4), 4, (0, 1, 2))
-    assert "| LoRDO | 0.002 | 2.1600 ± 0.0100 | +7.46% | +2.37% | 0.1 kB | 14.3× |" in text
-    assert "LoRDO vs low-rank DDP: +2.37% (target ≤ +3%): met" in text
-    assert "LoRDO vs DDP-Adam: +7.46% (target ≤ +5%): NOT met" in text
-    assert "shown" in text and "| LoRDO ω=1 | 1.0000 | 1.0000 | 4–4 | 100% |" in text
-
-
-def test_report_merges_sweeps_that_extend_the_grid_and_refuses_mixed_setups(tmp_path):
-    import dataclasses
-    import json
-
-    from commwire.bench import lordo as bench
-
-    rows = _rows()
-    setup = dataclasses.asdict(bench.Setup(rank=4))
-    lrs = sorted({r["lr"] for r in rows})
-    first, second, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    first.write_text(json.dumps({"setup": setup, "ranks": 4, "rows": [r for r in rows if r["lr"] != lrs[-1]]}))
-    second.write_text(json.dumps({"setup": setup, "ranks": 4, "rows": [r for r in rows if r["lr"] == lrs[-1]]}))
-    merged = bench.merged_report([str(first), str(second)])
-    assert merged == bench.format_report(bench.summarize(rows), bench.Setup(rank=4), 4, (0, 1, 2))
-    other.write_text(json.dumps({"setup": {**setup, "steps": 7}, "ranks": 4, "rows": []}))
-    with pytest.raises(ValueError, match=r"differs in \['steps'\]"):
-        bench.merged_report([str(first), str(other)])
-    with pytest.raises(ValueError, match="seed 0 is also in"):
-        bench.merged_report([str(first), str(first)])
-
-
-def test_bench_runs_one_tiny_sweep_in_process(capsys):
-    from commwire.bench import lordo as bench
-
-    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup,lordo-k1,lordo-ddp", "--lrs", "4e-3", "--seeds", "1",
-                "--steps", "16"])
-    out = capsys.readouterr().out
-    assert "| LoRDO |" in out and "| DDP-Adam |" in out and "Acceptance" in out
-    assert "| LoRDO K=1 (diagnostic) |" in out
-    assert "| LoRDO optimizer on DDP gradients (diagnostic) |" in out
-
-
-@pytest.mark.parametrize("steps, k, warmup", [(20, 8, 24), (16, 8, 16), (256, 16, 256)])
-def test_lordo_ddp_arm_stays_in_its_ddp_warmup_for_the_whole_run(steps, k, warmup):
-    from commwire.bench import lordo as bench
-    from commwire.bench.lm import LMConfig, make_lm
-
-    setup = bench.Setup(d_model=16, layers=1, heads=2, context=8, steps=steps, sync_every=k, rank=2)
-    opt = bench.build_optimizer(bench.ARMS["lordo-ddp"], make_lm(LMConfig(d_model=16, layers=1, heads=2,
-                                                                           context=8), seed=0), 1e-3, setup)
-    assert opt.config.warmup_steps == warmup
-    assert all(opt.config.phase(t).warmup for t in range(1, steps + 1))  # every step averages gradients
-    assert opt.config.switch_betas is None and opt.config.phase(1).omega == setup.omega
-
-
-def test_bench_cli_refuses_bad_arguments():
-    from click.testing import CliRunner
-
-    from commwire.cli.main import cli
-
-    result = CliRunner().invoke(cli, ["bench", "lordo", "--arms", "adam"])
-    assert result.exit_code != 0 and "choose from" in result.output
 
 
 @pytest.mark.mpi

@@ -28,7 +28,10 @@ from hypothesis import strategies as st
 
 import _oracle as oracle
 from commwire.cli import main
-from commwire.cli.main import BENCHMARKS, DRIVERS
+from commwire.bench import registry
+
+BENCHMARKS = registry()
+DRIVERS = sorted(name for name, module in BENCHMARKS.items() if module.DRIVER)
 
 JUNK = st.one_of(
     st.sampled_from(["", "-", "--", "--zz", "=", "foo", "1", "-1", "0", "9" * 25, "é", " ", "a b", "'", '"',

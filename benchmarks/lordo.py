@@ -32,8 +32,9 @@ rank), divided by the steps. For the LoRDO arms the stagnation diagnostics are
 reported: subspace similarity of consecutive projections and the numerical
 rank of the averaged pseudo-gradient relative to r.
 
-Run: ``commwire bench lordo -np 4`` or ``commwire run -np 4 python -m commwire.bench.lordo``
-(``--quick`` for a smoke run; ``--json FILE`` keeps every run's row).
+Run from a checkout of the repository: ``commwire run -np 4 python benchmarks/lordo.py``
+(``--quick`` for a smoke run; ``--json FILE`` keeps every run's row;
+``python benchmarks/lordo.py --report A.json B.json`` renders the report of earlier sweeps).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "LRS", "Setup", "build_optimizer", "format_report", "main", "merged_report",
-           "optimizer_step", "run_sweep", "summarize", "train_arm", "val_loss"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "LRS", "Setup", "build_optimizer", "build_parser", "format_report", "lr_factor",
+           "main", "merged_report", "optimizer_step", "run_sweep", "summarize", "train_arm", "val_loss"]
 
 
 @dataclass(frozen=True)
@@ -85,17 +86,17 @@ ARMS = {
     "lordo-fp8-k4-fp8m": Arm("LoRDO K=4, ef+FP8 Δ, E5M2 moments", "lordo",
                              {"sync_every": 4, "codec": "ef+fp8-e4m3", "state_codec": "fp8-e5m2"}),
     # A diagnostic, not a candidate (it syncs every step): how much of LoRDO's gap to low-rank DDP is
-    # locality (measured: none of it; see the README's LoRDO row).
+    # locality.
     "lordo-k1": Arm("LoRDO K=1 (diagnostic)", "lordo", {"sync_every": 1}),
     # A diagnostic too: LoRDO's own optimizer (Δ basis, QH term, error feedback, clipping) fed DDP's
     # averaged gradient at every step (its warm-up, never ended). Against low-rank DDP it isolates the
-    # optimizer; against LoRDO, what the ranks' separate optimizer states cost (see the README's LoRDO row).
+    # optimizer; against LoRDO, what the ranks' separate optimizer states cost.
     "lordo-ddp": Arm("LoRDO optimizer on DDP gradients (diagnostic)", "lordo", {"warmup_steps": "run"}),
 }
 DEFAULT_ARMS = ("ddp", "lowrank-ddp", "lordo", "lordo-omega1", "diloco")
 LRS = (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2)
-"""The default learning-rate grid, shared by every arm (2.4e-2 added when low-rank DDP and LoRDO
-peaked at 1.2e-2, the old edge; the report marks any arm whose best LR is still at an edge)."""
+"""The default learning-rate grid, shared by every arm (the report marks any arm whose best LR is at an
+edge of the grid: the grid should then be extended)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +122,7 @@ class Setup:
     """DiLoCo's outer step (Nesterov): lr 0.7, momentum 0.9."""
     outer_momentum: float = 0.9
     lordo_outer_lr: float = 1.0
-    """LoRDO's outer step: plain averaging, as lordo.md (a Nesterov 0.7/0.9 step measured slightly worse)."""
+    """LoRDO's outer step: plain averaging of the pseudo-gradients."""
     lordo_outer_momentum: float = 0.0
     sync_states: tuple[str, ...] = ("moments",)
     """LoRDO states averaged at a sync: the optimizer's default (low-rank moments, as the authors' runs)."""
@@ -138,7 +139,8 @@ def _sent() -> int:
     return sum(v.get("bytes", 0) for k, v in cw.stats().items() if k != "codecs" and isinstance(v, dict))
 
 
-def _lr_factor(step: int, total: int, warmup: float) -> float:
+def lr_factor(step: int, total: int, warmup: float) -> float:
+    """Return the LR multiplier at ``step`` of ``total``: linear warm-up (``warmup`` of the steps), cosine to 10%."""
     w = max(1, int(warmup * total))
     if step < w:
         return (step + 1) / w
@@ -228,14 +230,14 @@ def train_arm(name: str, lr: float, seed: int, setup: Setup, corpus: Any, comm: 
 
     import commwire.torch as hvd
 
-    from .lm import LMConfig, make_lm
+    from commwire.bench.lm import LMConfig, make_lm
 
     arm = ARMS[name]
     cfg = LMConfig(d_model=setup.d_model, layers=setup.layers, heads=setup.heads, context=setup.context)
     model = make_lm(cfg, seed=seed)
     opt = build_optimizer(arm, model, lr, setup)
     params = list(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, setup.steps, setup.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, setup.steps, setup.warmup))
     gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + comm.rank)
     comm.barrier()
     start, before = time.perf_counter(), _sent()
@@ -266,7 +268,7 @@ def run_sweep(arms: tuple[str, ...], lrs: tuple[float, ...], seeds: tuple[int, .
 
     import commwire as cw
 
-    from .lm import Corpus
+    from commwire.bench.lm import Corpus
 
     torch.set_num_threads(setup.threads)
     comm = cw.init()
@@ -280,7 +282,7 @@ def run_sweep(arms: tuple[str, ...], lrs: tuple[float, ...], seeds: tuple[int, .
                 r = rows[-1]
                 if comm.rank == 0:
                     if progress:
-                        print(f"bench lordo: [{len(rows)}/{total}] {r['label']} lr={lr:g} seed={seed}: val "
+                        print(f"lordo: [{len(rows)}/{total}] {r['label']} lr={lr:g} seed={seed}: val "
                               f"{r['val']:.4f}, {r['bytes_per_step'] / 1e3:.1f} kB/step, {r['wall_s']:.0f} s "
                               f"({time.perf_counter() - began:.0f} s so far)", file=sys.stderr, flush=True)
                     if json_path:
@@ -341,7 +343,8 @@ def format_report(summary: dict[str, dict[str, Any]], setup: Setup, ranks: int, 
         edge = " (grid edge)" if s["edge"] else ""
         ratio = f"{ddp['bytes_per_step'] / s['bytes_per_step']:.1f}×" if ddp and s["bytes_per_step"] else "–"
         lines.append(f"| {s['label']} | {s['best_lr']:g}{edge} | {s['mean']:.4f} ± {s['std']:.4f} | "
-                     f"{_pct(s['mean'], ddp['mean']) if ddp else '–'} | {_pct(s['mean'], low['mean']) if low else '–'} | "
+                     f"{_pct(s['mean'], ddp['mean']) if ddp else '–'} | "
+                     f"{_pct(s['mean'], low['mean']) if low else '–'} | "
                      f"{s['bytes_per_step'] / 1e3:.1f} kB | {ratio} | {s['state_bytes'] / 2 ** 20:.2f} MiB | "
                      f"{s['wall_s']:.1f} |")
     grid = sorted({lr for s in summary.values() for lr in s["grid"]})
@@ -439,9 +442,9 @@ def _publish(report: str, out: str | None) -> None:
             fh.write(report + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, run the sweep, print the report on rank 0."""
-    p = argparse.ArgumentParser(prog="commwire bench lordo", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``python benchmarks/lordo.py``."""
+    p = argparse.ArgumentParser(prog="python benchmarks/lordo.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", type=_arms, default=DEFAULT_ARMS, help=f"comma list from {', '.join(ARMS)} "
                    f"(default {','.join(DEFAULT_ARMS)})")
     p.add_argument("--lrs", type=_lrs, default=None, help="learning-rate grid shared by every arm "
@@ -462,6 +465,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="run nothing: render the report from these --json files of earlier sweeps with the "
                         "same setup and ranks (e.g. a second run that extends the LR grid)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the sweep, print the report on rank 0."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.report:
         try:

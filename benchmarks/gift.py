@@ -1,10 +1,10 @@
 """Evaluate GIFT against the honest baselines on a transformer whose activations carry outlier features.
 
 Model: the byte-level TinyGPT of :mod:`commwire.bench.lm` (Python documentation
-text) with injected outlier features (:mod:`commwire.bench.outliers`: fixed
+text) with injected outlier features (``_outliers.py`` beside this script: fixed
 gains ×32 on 4 input channels of every MLP down-projection, ×8 on the
 attention and MLP input projections). Data parallel over ``ranks`` simulated
-ranks (:mod:`commwire.bench.simulated`, bit-identical to commwire's
+ranks (``_simulated.py`` beside this script, bit-identical to commwire's
 ``compressed_allreduce``), each with its own micro-batch; the gradients travel
 in DistributedOptimizer's fusion buckets (``layout="bucket"``: one payload
 scale per pipeline chunk is shared by the tensors in it) or one all-reduce per
@@ -30,9 +30,10 @@ Each is reported as mean ± sample sd over the seeds; the paired difference of
 validation loss to direct FP8 (same seed) too. Results are deterministic for a
 given configuration (one torch thread, fixed segments, seeded data).
 
-Run: ``commwire bench gift`` (every run in this process), ``commwire bench gift
--np 2`` (the runs shared by 2 worker processes), ``--quick`` (a tiny model in
-seconds, for tests). Writes ``gift_report.md`` and ``gift_results.json`` into ``--out``.
+Run from a checkout of the repository: ``python benchmarks/gift.py`` (every run in
+this process), ``commwire run -np 2 python benchmarks/gift.py`` (the runs shared by
+2 worker processes), ``--quick`` (a tiny model in seconds, for tests). Writes
+``gift_report.md`` and ``gift_results.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ from typing import Any
 
 import numpy as np
 
+# Beside this script: it runs as a file (python benchmarks/gift.py), which puts its folder on sys.path.
+from _outliers import OutlierConfig, inject_outliers
+from _simulated import SimulatedAllreduce
+
 __all__ = ["GiftBenchConfig", "CODECS", "QUICK_CODECS", "train_run", "summarise", "format_table", "verdicts",
-           "run_gift_bench", "main"]
+           "run_gift_bench", "build_parser", "main"]
 
 CODECS = (
     "none",
@@ -56,7 +61,7 @@ CODECS = (
     "fp8-e5m2", "ef+fp8-e5m2", "fp8-e5m2:block=128", "hadamard+fp8-e5m2", "gift:profile=100+fp8-e5m2",
     "nvfp4", "ef+nvfp4", "hadamard+nvfp4", "gift:profile=100+nvfp4", "gift:ef=0,profile=100+nvfp4",
 )
-"""Compressions compared (``gift`` carries error feedback on its whitened layers; ``gift:ef=0`` is the bare transform)."""
+"""Compressions compared (``gift`` carries error feedback on its whitened layers; ``gift:ef=0``: the bare transform)."""
 QUICK_CODECS = ("none", "fp8-e4m3", "nvfp4", "gift:profile=4,refresh=4,rank=8+nvfp4")
 """The --quick subset."""
 DIRECT_FP8 = "fp8-e4m3"
@@ -127,8 +132,7 @@ class GiftBenchConfig:
 
 # ---------------------------------------------------------------------- one training run
 def _model(cfg: GiftBenchConfig, seed: int) -> Any:
-    from .lm import LMConfig, make_lm
-    from .outliers import OutlierConfig, inject_outliers
+    from commwire.bench.lm import LMConfig, make_lm
 
     model = make_lm(LMConfig(d_model=cfg.d_model, layers=cfg.layers, context=cfg.context), seed)
     inject_outliers(model, OutlierConfig(channels=cfg.outlier_channels, gains=cfg.outlier_gains, seed=seed))
@@ -170,8 +174,7 @@ def train_run(cfg: GiftBenchConfig, spec: str, seed: int) -> dict[str, Any]:
     from commwire import codecs
     from commwire.torch.gift import GiftHooks, find_gift
 
-    from .lm import Corpus, evaluate
-    from .simulated import SimulatedAllreduce
+    from commwire.bench.lm import Corpus, evaluate
 
     torch.manual_seed(seed)
     model, corpus = _model(cfg, seed), Corpus.load()
@@ -243,8 +246,8 @@ def train_run(cfg: GiftBenchConfig, spec: str, seed: int) -> dict[str, Any]:
     run["hits"] = dict(reduce.hits) if reduce is not None else {"flushed": 0, "top": 0, "total": 0}
     if gift is not None:
         run["gift"] = {"selection": list(gift.selection or ()), "fragility": gift.fragility(),
-                       "refreshes": int(gift.timings["refreshes"]), "norm_ratio": {n: float(np.mean(v))
-                                                                                  for n, v in ratios.items()},
+                       "refreshes": int(gift.timings["refreshes"]),
+                       "norm_ratio": {n: float(np.mean(v)) for n, v in ratios.items()},
                        "scale": {n: f.scale for n, f in gift.factors().items()}}
     return run
 
@@ -322,7 +325,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         for key, label in (("hits_pct", "range hits"), ("euclid", "Euclidean error"), ("adam", "Adam-scaled error"),
                            ("final_val", "validation loss")):
             best = min(members, key=lambda r: r[key][0])
-            tied = [r["spec"] for r in members if r is not best and r[key][0] - r[key][1] <= best[key][0] + best[key][1]]
+            tied = [r["spec"] for r in members
+                    if r is not best and r[key][0] - r[key][1] <= best[key][0] + best[key][1]]
             out.append(f"{family}, {label}: best {best['spec']} ({_pm(best[key])})"
                        + (f"; within one sd: {', '.join(tied)}" if tied else ""))
     spec = {r["spec"]: r for r in rows}
@@ -341,9 +345,9 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
 def _markdown(result: dict[str, Any], argv: list[str]) -> str:
     cfg, rows = result["config"], result["rows"]
     parts = ["# GIFT evaluation", "",
-             f"Command: `commwire bench gift {' '.join(argv)}` ({result['workers']} worker process(es), "
+             f"Command: `python benchmarks/gift.py {' '.join(argv)}` ({result['workers']} worker process(es), "
              f"{result['seconds']:.0f} s). Config: `{cfg}`.", "",
-             "Model: TinyGPT with injected outlier features (commwire/bench/outliers.py), trained with Adam on "
+             "Model: TinyGPT with injected outlier features (benchmarks/_outliers.py), trained with Adam on "
              f"{cfg['ranks']} simulated data-parallel ranks; gradients in "
              f"{'fusion buckets (shared scales)' if cfg['layout'] == 'bucket' else 'one all-reduce per tensor'}. "
              "Errors are of the all-reduced gradient against the exact FP32 average, pooled over all parameters "
@@ -376,8 +380,8 @@ def run_gift_bench(cfg: GiftBenchConfig, *, out: str | os.PathLike | None = "rep
     import commwire as cw
     from commwire import codecs
 
-    # Several workers share few cores: one thread each. (numba's parallel kernels on an
-    # oversubscribed machine took 70-140 ms for a 55k-element FP8 encode instead of 0.05 ms.)
+    # Several workers share few cores: one thread each (numba's parallel kernels on an
+    # oversubscribed machine wait for cores far longer than they compute).
     torch.set_num_threads(1)
     codecs.set_threads(1)
     comm = cw.init()
@@ -396,9 +400,9 @@ def run_gift_bench(cfg: GiftBenchConfig, *, out: str | os.PathLike | None = "rep
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run the evaluation and print rank 0's table."""
-    parser = argparse.ArgumentParser(prog="commwire bench gift", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``python benchmarks/gift.py``."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/gift.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny model and 4 codecs, in seconds (for tests)")
     d = GiftBenchConfig()
@@ -410,7 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("bucket", "tensor"), default=None, help="default bucket")
     parser.add_argument("--codecs", nargs="+", default=None, help="codec specs ('none' = FP32); default: all")
     parser.add_argument("--out", default="reports/gift", help="output folder (Markdown, JSON)")
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the evaluation and print rank 0's table."""
+    a = build_parser().parse_args(argv)
     changes = {k: v for k, v in vars(a).items() if k not in ("quick", "out") and v is not None}
     for key in ("seeds", "codecs"):
         if key in changes:

@@ -26,12 +26,13 @@ of every payload (:func:`commwire.codecs.gift.range_hits`).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+
 import numpy as np
 
-from ..codecs.base import Codec, Span
-from ..codecs.collective import _ALIGN, FIRST_PEER_BYTES, SMALL_BYTES, _segments, segment_bytes_for
-from ..codecs.gift import range_hits
-from ..comm.communicator import split_rows
+from commwire.codecs.base import Codec, Span
+from commwire.codecs.collective import ALIGN, FIRST_PEER_BYTES, SMALL_BYTES, segment_bytes_for, segments
+from commwire.codecs.gift import range_hits
+from commwire.comm.communicator import split_rows
 
 __all__ = ["SimulatedAllreduce"]
 
@@ -101,7 +102,7 @@ class SimulatedAllreduce:
         result = np.empty(n, _F32)
         seg_bytes = segment_bytes_for(self.codec, size, self.peer_bytes)
         first = segment_bytes_for(self.codec, size, FIRST_PEER_BYTES)
-        for start, stop in _segments(n, size, seg_bytes, first):
+        for start, stop in segments(n, size, seg_bytes, first):
             chunks = _chunks(start, stop, size)
             sent = {(r, j): self._encode(flats[r][chunks[j]], Span(((key, r), "w"), chunks[j].start, n))
                     for r in range(size) for j in range(size) if r != j}
@@ -118,7 +119,7 @@ class SimulatedAllreduce:
 
 
 def _chunks(start: int, stop: int, size: int) -> list[slice]:
-    """Return the ranks' chunks of one segment: whole ``_ALIGN`` blocks each, as ``_Segment`` cuts them."""
+    """Return the ranks' chunks of one segment: whole ``ALIGN`` blocks each, as the collective cuts them."""
     m = stop - start
-    edges = np.minimum(np.concatenate(([0], np.cumsum(split_rows(-(-m // _ALIGN), size)) * _ALIGN)), m)
+    edges = np.minimum(np.concatenate(([0], np.cumsum(split_rows(-(-m // ALIGN), size)) * ALIGN)), m)
     return [slice(start + int(a), start + int(b)) for a, b in zip(edges[:-1], edges[1:])]
