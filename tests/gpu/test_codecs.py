@@ -114,3 +114,25 @@ def test_compressed_allreduce_of_bf16_and_cupy(comm):
         got = compressed_allreduce(comm, cupy.asarray(a), "sum", codec="fp8-e4m3", segment_bytes=1 << 20)
         assert isinstance(got, cupy.ndarray)
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+def test_the_extending_page_codec_on_the_device():
+    # docs/extending.md's int8 codec, executed from the page: it declares device support, so a
+    # CUDA tensor's compressed all-reduce runs its kernels on the GPU. Bound: two quantisations
+    # (each rank's chunk, then the sum), each within max|value| / 254 per element.
+    from docs_examples import run_block
+
+    from commwire import codecs
+
+    page_codec = run_block("extending.md", "class Int8Codec")["Int8Codec"]  # registers the spec "int8"
+    assert type(codecs.get("int8")) is page_codec
+    n = size(1 << 20)
+    inputs = [(np.random.default_rng(r).standard_normal(n) * (r + 1)).astype(np.float32) for r in range(P)]
+    x = torch.from_numpy(inputs[R].copy()).to(device())
+    assert device_space(WORLD, page_codec(), x) is not None
+    y = cw.allreduce(x, codec="int8", name="page-int8-gpu")
+    assert is_on_device(y)
+    want = np.sum([v.astype(np.float64) for v in inputs], axis=0)
+    bound = (sum(np.abs(v).max() for v in inputs) + np.abs(want).max()) / 254 * (1 + 1e-5)
+    err = np.abs(y.cpu().numpy().astype(np.float64) - want).max()
+    assert 0 < err <= bound, (err, bound)
