@@ -8,6 +8,6 @@ and ``commwire.torch`` puts torch's optimizer interface on both.
 """
 
 from . import lordo
-from .lordo import *  # noqa: F403 - the package re-exports exactly lordo.__all__
+from .lordo import *  # noqa: F401,F403 - the package re-exports exactly lordo.__all__
 
 __all__ = list(lordo.__all__)

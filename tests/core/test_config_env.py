@@ -86,3 +86,13 @@ def test_no_library_module_reads_a_setting_or_a_launcher_rank_itself():
             if _SETTING.search(line) or _LAUNCHER.search(line):
                 found.append(f"{rel}:{number}: {line.strip()}")
     assert not found, "read these through commwire._config / commwire.comm.rankenv:\n" + "\n".join(found)
+
+
+def test_every_variable_is_documented_on_the_configuration_page():
+    from pathlib import Path
+
+    from commwire import _config
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    missing = [name for name in (*_config.VARIABLES, *_config.HOROVOD_VARIABLES) if f"`{name}`" not in page]
+    assert not missing, f"docs/configuration.md lacks {missing}: add a row for each"
