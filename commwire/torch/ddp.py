@@ -3,9 +3,13 @@
 ``ddp_hook(codec)`` returns ``(state, hook)`` for ``ddp.register_comm_hook``.
 Each of DDP's gradient buckets then travels through commwire's compressed
 all-reduce (any codec spec: bf16, FP8, NVFP4, with error feedback on both
-phases) on commwire's communicator, on its background lane, so DDP keeps
-overlapping communication with backward: the hook returns a
-``torch.futures.Future`` that the lane completes.
+phases) over the ranks of DDP's process group, on a background lane, so DDP
+keeps overlapping communication with backward: the hook returns a
+``torch.futures.Future`` that the lane completes. A DDP over a subgroup (replica
+groups, HSDP's replicate dimension, a pipeline stage's data-parallel group)
+reduces over that subgroup: pass the DDP module as ``model`` (its group is read
+from it) or the group as ``process_group``, as torch's own hooks take it in
+their state.
 
 Error-feedback residuals are keyed by the bucket's index and its parameters'
 names, so they are found again every step; DDP rebuilds its buckets once after
@@ -88,14 +92,16 @@ class DDPHookState:
 
     Args:
         codec: a ``commwire.codecs`` spec or codec object ("none" for a plain all-reduce).
-        comm: communicator whose ranks must be DDP's (default: the world).
+        comm: communicator whose ranks must be those of DDP's process group (default: a
+            communicator over that group's ranks, made at the first bucket).
         names: {parameter: name} for keys that survive bucket rebuilds (else shapes are used).
+        process_group: DDP's process group (default: torch.distributed's default group).
 
-    Pickles without its communicator (as PowerSGDState drops its process group).
+    Pickles without its communicator and process group (as PowerSGDState drops its group).
     """
 
     def __init__(self, codec: Any = "none", comm: Communicator | None = None,
-                 names: dict[torch.Tensor, str] | None = None) -> None:
+                 names: dict[torch.Tensor, str] | None = None, process_group: Any = None) -> None:
         from ..codecs import get
         from ..codecs.base import Codec
 
@@ -111,6 +117,7 @@ class DDPHookState:
                                  "codec without gift+")
         self.spec = "none" if self.codec is None else self.codec.spec
         self.comm = comm
+        self.process_group = process_group
         self.names = {id(p): n for p, n in (names or {}).items()}
         self._params = list(names or {})  # keeps the parameters alive, so their ids stay theirs
         self.steps = 0
@@ -126,18 +133,8 @@ class DDPHookState:
         return f"ddp.bucket{bucket.index()}.{len(labels)}.{zlib.crc32(chr(0).join(labels).encode()):08x}"
 
     def _comm(self) -> Communicator:
-        import torch.distributed as dist
-
-        if self.comm is None:
-            self.comm = default_comm()
         if not self._checked:
-            if not dist.is_initialized() or dist.get_world_size() != self.comm.size or \
-                    dist.get_rank() != self.comm.rank:
-                got = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else \
-                    "not initialised"
-                raise RuntimeError(f"DDP's process group ({got}) is not commwire's ranks (rank {self.comm.rank} of "
-                                   f"{self.comm.size}); start it with commwire.torch.init_process_group() and give "
-                                   "DDP the default process group")
+            self.comm = _group_communicator(self.process_group, self.comm)
             self._checked = True
         return self.comm
 
@@ -156,7 +153,36 @@ class DDPHookState:
             self.codec.load_state_dict(state["codec"])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "comm": None, "_checked": False, "_params": [], "names": {}}
+        return {**self.__dict__, "comm": None, "process_group": None, "_checked": False, "_params": [],
+                "names": {}}
+
+
+def _group_communicator(process_group: Any, comm: Communicator | None) -> Communicator:
+    """Return the communicator over ``process_group``'s ranks: ``comm`` if given and matching, else a new one.
+
+    torch's global ranks are commwire's world ranks (``init_process_group`` makes them so,
+    and this checks it); a subgroup gets an MPI communicator over the same ranks in the
+    group's order, made by the group's members only (MPI_Comm_create_group).
+    """
+    import torch.distributed as dist
+
+    world = default_comm()
+    if not dist.is_initialized() or dist.get_world_size() != world.size or dist.get_rank() != world.rank:
+        got = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "not initialised"
+        raise RuntimeError(f"torch.distributed ({got}) is not commwire's ranks (rank {world.rank} of {world.size}); "
+                           "start it with commwire.torch.init_process_group()")
+    group = process_group if process_group is not None else dist.group.WORLD
+    ranks = list(dist.get_process_group_ranks(group))
+    if comm is not None:
+        if comm.size != len(ranks) or comm.rank != dist.get_rank(group):
+            raise RuntimeError(f"DDP's process group (rank {dist.get_rank(group)} of {len(ranks)}: global ranks "
+                               f"{ranks}) is not commwire's ranks (rank {comm.rank} of {comm.size}); pass "
+                               "process_group=<DDP's group> and no comm, or a comm over the same ranks")
+        return comm
+    if world.rank not in ranks:
+        raise RuntimeError(f"rank {world.rank} is not in DDP's process group (global ranks {ranks}); build the "
+                           "hook on the ranks that run DDP over that group")
+    return world if ranks == list(range(world.size)) else world.new_group(ranks)
 
 
 def _reduce_bucket(comm: Communicator, state: DDPHookState, buffer: torch.Tensor, key: str,
@@ -202,15 +228,18 @@ _annotate()
 
 
 def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None,
-             comm: Communicator | None = None) -> tuple[DDPHookState, Any]:
+             comm: Communicator | None = None, process_group: Any = None) -> tuple[DDPHookState, Any]:
     """Return ``(state, hook)`` for ``ddp.register_comm_hook(state, hook)``.
 
     Args:
         codec: a ``commwire.codecs`` spec ("none", "bf16", "fp8-e4m3", "nvfp4",
             "ef+fp8-e4m3", …) or codec object; GIFT codecs need DistributedOptimizer.
-        model: the module DDP wraps (or the DDP module); its parameter names key
-            the error-feedback residuals.
-        comm: the commwire communicator (default: the world); it must hold DDP's ranks.
+        model: the DDP module (its process group is then DDP's), or the module DDP
+            wraps; its parameter names key the error-feedback residuals.
+        comm: the commwire communicator; it must hold the ranks of DDP's process group
+            (default: one over that group's ranks).
+        process_group: DDP's process group, when ``model`` is not the DDP module
+            (default: the default group). A DDP over a subgroup needs one of the two.
 
     Example:
         >>> state, hook = ddp_hook("ef+nvfp4", model=model)
@@ -220,4 +249,6 @@ def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None
     if model is not None:
         module = getattr(model, "module", model)
         names = {p: n for n, p in module.named_parameters()}
-    return DDPHookState(codec, comm=comm, names=names), _hook
+        if process_group is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            process_group = model.process_group
+    return DDPHookState(codec, comm=comm, names=names, process_group=process_group), _hook

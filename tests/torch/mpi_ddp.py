@@ -38,13 +38,15 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 0.5 - x[:, 1:2] ** 2
 
 
-def _train(codec: str | None, steps: int = 20, bucket_cap_mb: float = 25) -> tuple[torch.nn.Module, list[float], Any]:
+def _train(codec: str | None, steps: int = 20, bucket_cap_mb: float = 25, process_group: Any = None,
+           seed: int = 0) -> tuple[torch.nn.Module, list[float], Any]:
     """Train with plain DDP (codec None) or commwire's hook; return the model, the losses and the hook state."""
-    model = _model()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    model = _model(seed)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
     state = None
     if codec is not None:
-        state, hook = hvd.ddp_hook(codec, model=model)
+        # Given the DDP module, the hook reduces over DDP's own process group.
+        state, hook = hvd.ddp_hook(codec, model=ddp if process_group is not None else model)
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     losses = []
@@ -127,3 +129,51 @@ def test_hook_on_a_group_that_is_not_commwires_ranks():
     state, hook = hvd.ddp_hook("none", comm=sub)
     with pytest.raises(RuntimeError, match="not commwire's ranks"):
         state._comm()
+
+
+def _replica_groups() -> tuple[Any, int]:
+    """Two replica groups of two ranks ({0, 1} and {2, 3}), built on every rank as torch requires; this rank's."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return groups[R // 2], R // 2
+
+
+def test_hook_reduces_over_ddps_subgroup_as_plain_ddp_does():
+    # Reference: plain DDP on the same subgroup. Were the buckets reduced over all 4 ranks,
+    # each group's weights would be the average of both groups' gradients and differ from it.
+    if P != 4:
+        pytest.skip("two replica groups of two ranks need 4 ranks")
+    group, index = _replica_groups()
+    ref, _, _ = _train(None, process_group=group)
+    got, _, state = _train("none", process_group=group)
+    assert state.comm.size == 2 and state.comm.rank == R % 2
+    for (name, a), b in zip(ref.named_parameters(), got.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    # The two groups trained on different data: their weights differ, inside each group they are equal.
+    flat = torch.cat([p.detach().reshape(-1) for p in got.parameters()]).numpy()
+    every = commwire.world().allgather_object(flat.tobytes())
+    assert every[0] == every[1] and every[2] == every[3] and every[0] != every[2]
+    # A communicator over other ranks than the group's is refused with the fix named.
+    state, _ = hvd.ddp_hook("none", comm=commwire.world(), process_group=group)
+    with pytest.raises(RuntimeError, match="process_group"):
+        state._comm()
+
+
+def test_compressed_hook_on_subgroups_trains_within_plain_ddps_seed_range():
+    # ef+fp8-e4m3 on each replica group: the loss of the last full cycle of batches (4 steps),
+    # averaged over the group's ranks and over 3 seeds, lies within the range plain DDP's
+    # takes over the same seeds (and plain DDP learns: that loss is well below the first cycle's).
+    if P != 4:
+        pytest.skip("two replica groups of two ranks need 4 ranks")
+    group, _ = _replica_groups()
+
+    def cycles(codec: str | None, seed: int) -> tuple[float, float]:
+        _, losses, _ = _train(codec, steps=40, process_group=group, seed=seed)
+        t = torch.tensor([np.mean(losses[:4]), np.mean(losses[-4:])], dtype=torch.float64)
+        dist.all_reduce(t, group=group)  # torch's own all-reduce: the group's mean, independent of the hook
+        return float(t[0]) / 2, float(t[1]) / 2
+
+    plain = [cycles(None, seed) for seed in range(3)]
+    fp8 = [cycles("ef+fp8-e4m3", seed)[1] for seed in range(3)]
+    assert all(last < 0.8 * first for first, last in plain), plain
+    last = [p[1] for p in plain]
+    assert min(last) <= float(np.mean(fp8)) <= max(last), (last, fp8)
