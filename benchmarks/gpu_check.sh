@@ -20,7 +20,7 @@
 #   optimizer DistributedOptimizer step vs torch DDP over NCCL, same model (1 rank; 2 ranks: DDP over gloo)
 #   lab       only as root with ip, tc and network namespaces: 8 emulated hosts at 1 Gbit/s, FP32
 #             all-reduce on 2/4/8 of them, then the cost model's calibration and validation
-#             (commwire bench project); the lab is always taken down (trap), even on a timeout.
+#             (benchmarks/calibrate.py); the lab is always taken down (trap), even on a timeout.
 # Then report.md and report.json (every stage's status, time and rows) and gpu_check.log (all output)
 # are written to $OUT — three files, within what a device run brings back.
 #

@@ -20,7 +20,7 @@ measures shared memory on one host (``mpiexec -n 4``) and TCP between hosts
 (the ``commwire lab`` namespaces). The header line gives the measured latency
 of a 16-float allreduce, which tells the two regimes apart. Each row also gives
 the loop's compute alone (every rank in turn runs it on its own block with no
-communication while the others sleep): ``commwire bench project --glm`` models
+communication while the others sleep): ``python benchmarks/calibrate.py --glm`` models
 the step time from it.
 
 Run: ``commwire bench glm -np 4`` or ``mpiexec -n 4 python -m commwire.bench.glm``.

@@ -94,7 +94,7 @@ class GLM(BaseEstimator):
         loss: "logistic" (labels {-1,+1} or {0,1}), "least_squares" or "poisson".
         solver: "sgd" (one allreduce of b margins per step) or "casgd" (one per s steps).
         s: inner steps per Gram exchange (casgd), or "auto": chosen at fit time from all-reduces and
-            Gram products timed on the communicator, with the cost model of ``commwire bench project``
+            Gram products timed on the communicator, with the cost model of :mod:`commwire.costmodel`
             (every rank uses the same s; the fitted ``s_`` says which, ``result_.auto`` how).
         batch_size: rows per step.
         lr: constant step size.
