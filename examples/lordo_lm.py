@@ -144,7 +144,8 @@ def run(method: str, corpus: Corpus, setup: sweep.Setup, args: argparse.Namespac
         out["diagnostics"] = [{"step": d["step"], "similarity": float(np.mean(list(d["similarity"].values()))),
                                "min_similarity": float(np.min(list(d["similarity"].values()))),
                                "rank_over_r": float(np.mean(list(d["rank"].values()))) / setup.rank,
-                               "max_rank": int(max(d["rank"].values()))} for d in opt.diagnostics]
+                               "max_rank": int(max(d["rank"].values()))}
+                              for d in opt.diagnostics if d["similarity"]]  # none when no matrix exceeds --rank
     return out
 
 
