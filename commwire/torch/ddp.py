@@ -204,10 +204,21 @@ def _reduce_bucket(comm: Communicator, state: DDPHookState, buffer: torch.Tensor
         future.set_exception(exc)
 
 
+def _future_for(buffer: torch.Tensor) -> torch.futures.Future:
+    """Return the Future the lane completes with ``buffer``: CUDA-aware when the buffer is on a GPU.
+
+    The lane reduces a CUDA bucket on a side stream and completes the Future there;
+    a CUDA-aware Future records an event on that stream at ``set_result`` and makes
+    DDP's stream wait for it at ``wait()``, so DDP never reads the bucket before the
+    reduction's kernels have written it.
+    """
+    return torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+
+
 def _hook(state, bucket):  # type: ignore[no-untyped-def] # annotated below, with objects DDP checks
     comm = state._comm()
     buffer = bucket.buffer()
-    future: torch.futures.Future = torch.futures.Future()
+    future = _future_for(buffer)
     state.buckets += 1
     if bucket.is_last():
         state.steps += 1

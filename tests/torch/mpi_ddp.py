@@ -177,3 +177,23 @@ def test_compressed_hook_on_subgroups_trains_within_plain_ddps_seed_range():
     assert all(last < 0.8 * first for first, last in plain), plain
     last = [p[1] for p in plain]
     assert min(last) <= float(np.mean(fp8)) <= max(last), (last, fp8)
+
+
+def test_the_hooks_future_is_cuda_aware_exactly_for_device_buckets(monkeypatch):
+    # What makes DDP wait for the lane's side stream on a GPU (the GPU tier checks the
+    # values: tests/gpu/test_ddp_hook.py): a CUDA bucket's Future names its device.
+    from commwire.torch import ddp as module
+
+    made = []
+
+    class Recorder:
+        def __init__(self, *, devices=None):
+            made.append(devices)
+
+    class CudaBuffer:
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setattr(torch.futures, "Future", Recorder)
+    module._future_for(torch.zeros(2))
+    module._future_for(CudaBuffer())
+    assert made == [None, [torch.device("cuda", 0)]]
