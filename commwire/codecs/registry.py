@@ -48,8 +48,8 @@ __all__ = ["get", "register_codec", "register_stage", "available"]
 CodecFactory = Callable[..., Codec]
 StageFactory = Callable[..., Codec]
 
-# Built-in codecs and wrapper stages: the registry starts with these; register_codec/register_stage add more.
-_BUILTIN_CODECS: dict[str, CodecFactory] = {
+# The registry starts with the built-in codecs and wrapper stages; register_codec/register_stage add more.
+_CODECS: dict[str, CodecFactory] = {
     "none": IdentityCodec,
     "identity": IdentityCodec,
     "fp16": lambda: CastCodec(format="fp16"),
@@ -58,14 +58,11 @@ _BUILTIN_CODECS: dict[str, CodecFactory] = {
     "fp8-e5m2": lambda **options: Fp8Codec(format="e5m2", **options),
     "nvfp4": Nvfp4Codec,
 }
-_BUILTIN_STAGES: dict[str, StageFactory] = {
+_STAGES: dict[str, StageFactory] = {
     "ef": ErrorFeedback,
     "hadamard": lambda inner, **options: Pipeline(HadamardTransform(**options), inner),
     "gift": Gift.from_spec,
 }
-
-_CODECS: dict[str, CodecFactory] = dict(_BUILTIN_CODECS)
-_STAGES: dict[str, StageFactory] = dict(_BUILTIN_STAGES)
 _FLAGS = {"sr": ("rounding", "sr"), "rne": ("rounding", "rne")}
 
 

@@ -91,7 +91,7 @@ class SStepGram(Ticker):
         for label, dt in (("dtype", self.dtype), ("comm_dtype", self.comm_dtype)):
             if dt not in (np.float32, np.float64):
                 raise ValueError(f"{label}={dt} is not supported; choose float32 or float64 (BLAS dtypes)")
-        self.comm = comm = default_comm(comm, init_if_needed=True)
+        self.comm = default_comm(comm, init_if_needed=True)
         xp_ = self.xp
         self.panel = xp_.zeros((1 + self.s * self.b, self.n_local), dtype=self.dtype)
         self.weights = self.panel[0]

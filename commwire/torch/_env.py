@@ -48,8 +48,7 @@ _LAUNCHER = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_
 
 def fusion_threshold_bytes() -> int | None:
     """Return HOROVOD_FUSION_THRESHOLD in bytes, or None when unset."""
-    value = _config.env_number("HOROVOD_FUSION_THRESHOLD", int)
-    return None if value is None else int(value)
+    return _config.env_number("HOROVOD_FUSION_THRESHOLD", int)
 
 
 def init_kwargs() -> dict[str, Any]:

@@ -94,7 +94,7 @@ class _LocalOptimizer(torch.optim.Optimizer):
         # torch fills each group dict with the defaults: keep what the caller gave for an inner-optimizer factory.
         self._given_groups = [{**g, "params": list(g["params"])} for g in groups]
         super().__init__(groups, defaults)
-        self.comm = comm = default_comm(comm)
+        self.comm = default_comm(comm)
         self._named = named
         self._names = {p: n for n, p in named}
         self.diagnostics: list[dict[str, Any]] = []
