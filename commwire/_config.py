@@ -17,6 +17,7 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | COMMWIRE_TIMEOUT | seconds | stall watchdog: report a collective waiting this long (default 300, 0 = off) |
 | COMMWIRE_ON_STALL | abort/warn | what the watchdog does after its report (default abort) |
 | COMMWIRE_CODEC_THREADS | int | CPU threads per rank for codec kernels (default, or 0: cores / ranks on the node) |
+| COMMWIRE_TRANSPORT | mpi/torch | what carries the world's data: MPI (default) or torch.distributed (gloo, NCCL) |
 
 The Horovod adapter (``commwire.torch``) also honours the Horovod variables in
 :data:`HOROVOD_VARIABLES` (read with the same helpers, at ``hvd.init()``), so a
@@ -44,6 +45,7 @@ VARIABLES = (
     "COMMWIRE_TIMEOUT",
     "COMMWIRE_ON_STALL",
     "COMMWIRE_CODEC_THREADS",
+    "COMMWIRE_TRANSPORT",
 )
 
 HOROVOD_VARIABLES = {

@@ -30,12 +30,23 @@ def run_mpi(n: int, args: list[str], timeout: float = 240, env: dict[str, str] |
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
-def run_mpi_pytest(n: int, path: str, *extra: str, timeout: float = 300) -> None:
-    """Run a pytest module on ``n`` ranks; fail with every rank's output if any rank fails."""
+def run_mpi_pytest(n: int, path: str, *extra: str, timeout: float = 300, transport: str = "mpi") -> None:
+    """Run a pytest module on ``n`` ranks with the world's data on ``transport`` (COMMWIRE_TRANSPORT).
+
+    Fails with every rank's output if any rank fails.
+    """
+    if transport == "torch":
+        pytest.importorskip("torch")
     proc = run_mpi(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                       "-o", "addopts=", path, *extra], timeout=timeout)
+                       "-o", "addopts=", path, *extra], timeout=timeout, env={"COMMWIRE_TRANSPORT": transport})
     if proc.returncode != 0:
-        pytest.fail(f"{path} failed on {n} ranks (exit {proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(f"{path} failed on {n} ranks over {transport} (exit {proc.returncode}):\n{proc.stdout[-8000:]}\n"
+                    f"{proc.stderr[-4000:]}")
+
+
+BOTH_TRANSPORTS = [(2, "mpi"), (4, "mpi"), (3, "torch")]
+"""(ranks, transport) of the suites that run on both transports: MPI at 2 and 4 ranks, torch.distributed (gloo)
+at 3 (uneven blocks, a rank count that is not a power of two), so the suite stays inside its time budget."""
 
 
 TOL = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}

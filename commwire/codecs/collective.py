@@ -47,9 +47,8 @@ import numpy as np
 
 from ..comm import arrays
 from ..comm.arrays import adapter_for
-from ..comm.communicator import Communicator, check_out, describe, device_of, op_label, split_rows
+from ..comm.communicator import Communicator, Signature, check_out, describe, device_of, op_label, split_rows
 from ..comm.handle import Handle
-from ..comm.handle import wait_requests
 from .base import Codec, Span
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "shared_codecs", "PEER_CHOICES",
@@ -370,22 +369,22 @@ def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int, space: _
                    lambda: _Plan(comm, codec, n, segment_bytes, space))
 
 
-_p2p: dict[tuple[int, int], Any] = {}
+_pipes: dict[tuple[int, int], Any] = {}
 _TAGS = 32000  # MPI guarantees tags up to 32767; segments this far apart are never in flight together
 
 
-def _p2p_comm(comm: Communicator) -> Any:
-    """Return this communicator's private duplicate for the pipeline's point-to-point messages.
+def _pipe(comm: Communicator) -> Any:
+    """Return the transport of the pipeline's messages: a private one of ``comm``'s (``Transport.private``).
 
-    Its own context keeps the pipeline's tags apart from the application's messages.
-    The first compressed all-reduce on ``comm`` creates it (a collective call, made
-    by every rank at the same point, like the all-reduce itself).
+    Over MPI, a duplicate communicator whose own context keeps the pipeline's tags apart from
+    the application's messages. The first compressed all-reduce on ``comm`` creates it (a
+    collective call, made by every rank at the same point, like the all-reduce itself).
     """
     key = _comm_key(comm)
-    dup = _p2p.get(key)
-    if dup is None:
-        dup = _p2p[key] = comm.mpi.Dup()
-    return dup
+    found = _pipes.get(key)
+    if found is None:
+        found = _pipes[key] = comm.transport.private()
+    return found
 
 
 def _tag(segment: int, phase: int) -> int:
@@ -403,6 +402,7 @@ class _Run:
         self.encoded_elems = 0
         self.encoded_wire = 0
         self.inflight: list[Any] = []
+        self.pipe = comm.transport
 
     def _progress(self) -> None:
         # MPICH moves a non-blocking collective only inside MPI calls (no progress
@@ -410,14 +410,11 @@ class _Run:
         # what lets encoding and decoding overlap the wire. One test is enough: each
         # MPI call runs the progress engine once over every connection, so testing
         # each request would only repeat that poll, at a cost.
-        # The newest request still pending: a test of a finished (null) one does not progress.
-        for req in reversed(self.inflight):
-            if req:
-                req.Test()
-                return
+        if self.inflight:
+            self.pipe.progress(self.inflight[-1])
 
     def _encode(self, x: np.ndarray, out: np.ndarray, key: Hashable) -> None:
-        if self.dry:  # a rank whose arguments deviate sends zeros in the agreed pattern (Communicator._guarded)
+        if self.dry:  # a rank whose arguments deviate sends zeros in the agreed pattern (Communicator.run_collective)
             out[...] = 0  # dry runs use host buffers
             return
         t = _perf()
@@ -453,7 +450,7 @@ class _Run:
     def _wait(self, reqs: list[Any]) -> None:
         t = _perf()
         with self.comm.watched("compressed_allreduce", self.key if isinstance(self.key, str) else None):
-            wait_requests(reqs)
+            self.pipe.wait(reqs)
         done = {id(r) for r in reqs}
         self.inflight = [r for r in self.inflight if id(r) not in done]  # identity: finished requests compare equal
         self.times["transfer"] += _perf() - t
@@ -463,7 +460,10 @@ class _Run:
         n = int(flat.shape[0])
         plan = _plan(comm, self.codec, n, segment_bytes, sp)
         segs, acc = plan.segs, plan.acc
-        mpi = _p2p_comm(comm)
+        pipe = self.pipe = _pipe(comm)
+        # Point to point (MPI): receives posted ahead, chunks sent peer by peer. Otherwise (NCCL,
+        # gloo) one all-to-all per segment for the chunks and one all-gather for the reduced ones.
+        p2p = pipe.point_to_point
         peers = [r for r in range(size) if r != rank]
         recvs: dict[tuple[int, int], list[Any]] = {}  # (segment, phase) -> receive requests
         sends: dict[tuple[int, int], list[Any]] = {}
@@ -476,13 +476,16 @@ class _Run:
             # receive is an "unexpected" one, which libfabric's tcp provider holds only up
             # to 64 KiB (max_saved_size); a longer one stalls its connection until the
             # receive is posted, costing ms per call when the receiver is busy encoding.
+            if not p2p:
+                recvs[i, 0], recvs[i, 1] = [], []
+                return
             seg = segs[i]
             w = seg.wire[rank]
-            recvs[i, 0] = self._start([mpi.Irecv(sp.incoming(seg.recv, seg.h_recv, r * w, (r + 1) * w),
-                                                 source=r, tag=_tag(i, 0)) for r in peers])
-            recvs[i, 1] = self._start([mpi.Irecv(sp.incoming(seg.gathered, seg.h_gathered, seg.offsets[r],
-                                                             seg.offsets[r] + seg.wire[r]),
-                                                 source=r, tag=_tag(i, 1)) for r in peers])
+            recvs[i, 0] = self._start([pipe.irecv(sp.incoming(seg.recv, seg.h_recv, r * w, (r + 1) * w), r,
+                                                  _tag(i, 0)) for r in peers])
+            recvs[i, 1] = self._start([pipe.irecv(sp.incoming(seg.gathered, seg.h_gathered, seg.offsets[r],
+                                                              seg.offsets[r] + seg.wire[r]), r, _tag(i, 1))
+                                       for r in peers])
 
         def start_exchange(i: int) -> None:
             seg = segs[i]
@@ -490,12 +493,18 @@ class _Run:
                 o, part = seg.offsets[r], seg.chunks[r]
                 self._encode(flat[part], seg.send[o:o + seg.wire[r]], Span((self.key, "w"), part.start, n))
             sp.ready()
-            reqs = []
-            for r in peers:
-                o = seg.offsets[r]
-                reqs += self._start([mpi.Isend(sp.outgoing(seg.send, seg.h_send, o, o + seg.wire[r]), dest=r,
-                                               tag=_tag(i, 0))])
-            sends[i, 0] = reqs
+            if p2p:
+                reqs = []
+                for r in peers:
+                    o = seg.offsets[r]
+                    reqs += self._start([pipe.isend(sp.outgoing(seg.send, seg.h_send, o, o + seg.wire[r]), r,
+                                                    _tag(i, 0))])
+                sends[i, 0] = reqs
+            else:  # the own chunk's slot travels too (a local copy, ignored): the splits stay contiguous
+                w = seg.wire[rank]
+                sends[i, 0] = self._start([pipe.ialltoallv(sp.outgoing(seg.send, seg.h_send, 0, seg.total),
+                                                           seg.wire, sp.incoming(seg.recv, seg.h_recv, 0, w * size),
+                                                           [w] * size)])
             # Counted like a plain all-reduce's message: this rank's encoded tensor
             # (the re-encoded chunk of the gather phase adds 1/P of it on the wire).
             self.wire_sent += seg.total
@@ -522,7 +531,11 @@ class _Run:
             # other ranks, each of which must be inside MPI to pass them on.
             sp.ready()
             chunk = sp.outgoing(seg.gathered, seg.h_gathered, o, o + w)
-            sends[i, 1] = self._start([mpi.Isend(chunk, dest=r, tag=_tag(i, 1)) for r in peers])
+            if p2p:
+                sends[i, 1] = self._start([pipe.isend(chunk, r, _tag(i, 1)) for r in peers])
+            else:
+                sends[i, 1] = self._start([pipe.iallgatherv(
+                    chunk, sp.incoming(seg.gathered, seg.h_gathered, 0, seg.total), seg.wire)])
 
         def finish(i: int) -> None:
             seg = segs[i]
@@ -555,8 +568,8 @@ class _Run:
                        lambda: _Gathered(w, size, sp))
         self._encode(flat, bufs.mine, (self.key, "g"))
         sp.ready()  # the encoding is done, and so are the previous call's kernels reading `every`
-        self._wait([comm.mpi.Iallgather(sp.outgoing(bufs.mine, bufs.h_mine, 0, w),
-                                        sp.incoming(bufs.every, bufs.h_every, 0, w * size))])
+        self._wait([comm.transport.iallgather(sp.outgoing(bufs.mine, bufs.h_mine, 0, w),
+                                              sp.incoming(bufs.every, bufs.h_every, 0, w * size))])
         self.wire_sent += w  # this rank's message: its encoded tensor
         if self.dry:
             return
@@ -621,13 +634,13 @@ def compressed_allreduce(
             raise TypeError(f"codec {codec.spec!r} needs a float array, got {dtype}; pass codec=None for "
                             "integers")
         check_out(x, out, "compressed allreduce")
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (Communicator._guarded)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (Communicator.run_collective)
         error = exc
     shape = tuple(int(d) for d in x.shape) if dtype is not None else None
     shape, dtype_label = (shape, str(dtype)) if dtype is not None else describe(x)
-    sig = ("compressed_allreduce", name, shape, dtype_label, op_label(op), None,
-           (codec.spec, segment_bytes, small_bytes), device_of(x))
-    average = sig[4] != "sum"
+    sig = Signature("compressed_allreduce", name, shape, dtype_label, op_label(op),
+                    codec=(codec.spec, segment_bytes, small_bytes), device=device_of(x))
+    average = sig.op != "sum"
     key = name if name is not None else ("shape", shape)
 
     def run_host() -> Any:
@@ -685,12 +698,11 @@ def compressed_allreduce(
         return value
 
     def dummy(agreed_sig: tuple[Any, ...]) -> None:
-        n = int(np.prod(agreed_sig[2], dtype=np.int64))
+        n = int(np.prod(agreed_sig.shape, dtype=np.int64))
         flat = np.zeros(n, dtype=_F32)
         _reduce_flat(comm, codec, None, flat, np.empty_like(flat), average, segment_bytes, small_bytes, dry=True)
 
-    return comm._guarded(("compressed_allreduce", name), sig, error, run_host if space is None else run_device,
-                         dummy)
+    return comm.run_collective(sig, error, run_host if space is None else run_device, dummy)
 
 
 _last_call = threading.local()
@@ -740,7 +752,7 @@ def device_space(comm: Communicator, codec: Codec, x: Any) -> _DeviceSpace | Non
         like = arrays.to_torch(x)  # cupy arrays run through torch (DLPack, zero copy)
     except ImportError:
         return None
-    return _DeviceSpace(like, staged=not comm.cuda_aware)
+    return _DeviceSpace(like, staged=not comm.transport.device_buffers(x))
 
 
 def _overlaps(a: Any, b: Any) -> bool:

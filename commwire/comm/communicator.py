@@ -1,24 +1,11 @@
-"""Collectives over an mpi4py communicator for numpy, torch and cupy arrays.
+"""Collectives over a group of ranks for numpy, torch and cupy arrays.
 
-Every collective validates its arguments without raising, then runs under one
-agreement protocol (``Communicator._guarded``), so that an error any rank
-finds — in its own arguments or in a mismatch with the others' — is raised on
-every rank of the collective together, and the next collective pairs up:
-
-* ``check=True``: every call starts with a descriptor exchange
-  (commwire.comm.check); the job's ranks learn each other's verdict before any
-  data moves. This mode also lets ranks ``join()`` (uneven data: a joined rank
-  contributes zeros to the others' all-reduces), as Horovod's negotiation does.
-* ``check="first"`` (default): the first call of each (operation, name) runs
-  the exchange and remembers the agreed signature. Later calls carry only a
-  deviation flag: every rank runs the data movement with the remembered
-  signature — a rank whose arguments deviate, or are invalid, moves zeros —
-  and the flag travels in the same buffer (all-reduces up to 128 KiB, so the
-  latency-bound case costs one message) or in a tiny all-reduce overlapped
-  with the data. A raised flag sends every rank to the full exchange: either
-  every rank changed its arguments alike (a new shape for the same name; the
-  collective is redone) or every rank raises the same error.
-* ``check=False``: no agreement; a bad argument raises on its rank only.
+A ``Communicator`` validates each collective's arguments without raising and
+runs it under the agreement protocol (commwire.comm.protocol: an error any rank
+finds is raised on every rank together) over MPI, its control plane; the data
+itself moves over a transport (commwire.comm.transport): the same MPI
+communicator by default, or a ``torch.distributed`` process group
+(``Communicator.from_process_group``, ``commwire.init(transport="torch")``).
 
 Moves that need no arithmetic (broadcast, allgather, alltoall) travel as raw
 bytes, so every dtype works. Reductions of float16/bfloat16 run in float32 and
@@ -28,12 +15,13 @@ on a duplicate communicator, so they make progress while the caller computes
 and never interleave with the caller's own collectives.
 
 Device arrays (torch CUDA tensors, cupy arrays; commwire.comm.arrays) take one
-of two paths in every collective: with ``cuda_aware=True`` the device buffers
-go to MPI directly, otherwise they are staged through host memory. Both send
-the same messages, so the choice is each rank's own; what the messages are
-(dtype on the wire, MPI op) depends only on the agreed signature. Reductions
-prepare their work buffer on the device in both paths, and float min/max of
-device arrays travel as order-preserving integers reduced by MPI's own MIN/MAX
+of two paths in every collective: where the transport takes device buffers
+(a CUDA-aware MPI with ``cuda_aware=True``; an NCCL group) they go to it
+directly, otherwise they are staged through host memory. Both send the same
+messages, so the choice is each rank's own; what the messages are (dtype on the
+wire, reduction) depends only on the agreed signature. Reductions prepare their
+work buffer on the device in both paths, and float min/max of device arrays
+travel as order-preserving integers reduced by the transport's own MIN/MAX
 (a Python-defined MPI op would read device memory as host memory).
 """
 
@@ -41,61 +29,42 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from . import arrays
 from .arrays import HALF_DTYPES, DeviceOps, adapter_for, check_dtype, device_ops, dtype_name, stream_order
-from .check import Round, exchange, resync
-from .handle import Handle, in_lane, wait_requests
-from .reduce import REDUCE_OPS, check_reduction, flag_values, mpi_op, normalize_op, work_dtype
+from .check import exchange
+from .handle import Handle
+from .protocol import FUSED_BYTES, JOINABLE, Agreed, AgreementProtocol, Signature
+from .reduce import REDUCE_OPS, check_reduction, flag_values, normalize_op, work_dtype
 from .stats import Counters
 from .timeline import Timeline
+from .transport import MPITransport, Transport
 
-__all__ = ["Communicator", "REDUCE_OPS", "split_rows", "live_communicators", "check_out", "describe", "device_of",
-           "op_label"]
+__all__ = ["Communicator", "REDUCE_OPS", "Signature", "split_rows", "live_communicators", "check_out", "describe",
+           "device_of", "op_label"]
 
-_FUSED_BYTES = 128 << 10
-"""All-reduces up to this many (work-dtype) bytes carry their deviation flag in their own buffer.
-
-Measured on 4 ranks over shared memory: the flag in the buffer (one copy in) costs 1-5 us at 8 B-64 KiB;
-the concurrent flag all-reduce costs 15-30 us, lost in the transfer from about 1 MiB on."""
-_VERIFIED_KEYS = 4096
-"""Agreed signatures remembered per communicator (oldest forgotten first: names made per step cost an exchange)."""
-_JOINABLE = frozenset(("sum", "avg", "min", "max", "prod"))
 _perf = time.perf_counter
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()  # for switching the timeline of every communicator
+_from_group_count: dict[str, int] = {}  # communicators made over each set of ranks by from_process_group
 
 
-@dataclass(slots=True)
-class _Agreed:
-    """A signature every rank agreed on, and what the all-reduce fast path needs of it."""
-
-    sig: tuple[Any, ...]
-    fused: tuple[Any, ...] | None = None  # (n, work dtype, MPI op, valid flag, deviating flag, average)
-    shape: tuple[int, ...] | None = None  # shape, dtype, op, (MPI op, average): the numpy fast path's test
-    dtype: np.dtype | None = None
-    op: Any = None
-    plain: tuple[Any, bool] | None = None
-    pad: np.ndarray | None = None  # the fused fast path's buffer (n + 1 elements), and its first n as x's shape
-    head: np.ndarray | None = None
-
-
-class Communicator:
-    """Run collectives on a group of MPI ranks.
+class Communicator(AgreementProtocol):
+    """Run collectives on a group of ranks.
 
     Args:
-        mpi_comm: the mpi4py communicator to use (e.g. ``MPI.COMM_WORLD``).
+        mpi_comm: the mpi4py communicator of these ranks (e.g. ``MPI.COMM_WORLD``): the control plane,
+            and the data's transport unless ``transport`` is given.
+        transport: what moves the data (commwire.comm.transport); default: ``mpi_comm`` itself.
         counters: where to record operation counts, bytes and times.
-        check: how ranks agree on a collective's arguments (see the module
-            docstring): True before every call (and ``join()`` works), "first"
-            (default) on the first call of each (operation, name) and by a
-            flag afterwards, False never.
+        check: how ranks agree on a collective's arguments (commwire.comm.protocol):
+            True before every call (and ``join()`` works), "first" (default) on
+            the first call of each (operation, name) and by a flag afterwards,
+            False never.
         timeline: optional Chrome-trace recorder.
-        cuda_aware: hand CUDA buffers straight to MPI instead of staging them.
+        cuda_aware: hand CUDA buffers straight to MPI instead of staging them (MPI transport).
 
     Example:
         >>> comm = commwire.world()
@@ -106,6 +75,7 @@ class Communicator:
         self,
         mpi_comm: Any,
         *,
+        transport: Transport | None = None,
         counters: Counters | None = None,
         check: bool | str = "first",
         timeline: Timeline | None = None,
@@ -113,17 +83,17 @@ class Communicator:
         watchdog: Any = None,
         uid: str = "world",
     ) -> None:
-        from mpi4py import MPI
-
-        self._MPI = MPI
+        self._init_protocol(check)
         self.mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
+        if transport is None:
+            transport = MPITransport(mpi_comm, cuda_aware=cuda_aware)
+        self.transport: Transport = transport
+        if (self.transport.rank, self.transport.size) != (self.rank, self.size):
+            raise ValueError(f"the transport's ranks ({self.transport!r}) do not match MPI's (rank {self.rank} of "
+                             f"{self.size}); build the process group over the same ranks in the same order")
         self.counters = counters if counters is not None else Counters()
-        if check not in (False, True, "first"):
-            raise ValueError(f"check={check!r} is not valid; use False, 'first' or True")
-        self.check: bool | str = check
-        self._agreed: OrderedDict[tuple[Any, ...], _Agreed] = OrderedDict()
         self.timeline = timeline
         self.cuda_aware = cuda_aware
         self._node: Communicator | None = None
@@ -133,90 +103,55 @@ class Communicator:
             watchdog.register(uid, mpi_comm)
         self._seq = 0
         self._derived = 0
-        self._lane_comm = False  # set on a lane's own communicator: waits there yield the CPU
         _live.add(self)
 
+    @classmethod
+    def from_process_group(cls, pg: Any, *, comm: Communicator | None = None, check: bool | str | None = None
+                           ) -> Communicator:
+        """Return a communicator whose data moves over torch.distributed process group ``pg``.
+
+        Call it on every member of ``pg`` (only there). Its control plane is an MPI communicator
+        over the same ranks, made from ``comm`` (default: the world), whose ranks must be
+        torch.distributed's global ranks (as when commwire started torch.distributed).
+        """
+        from .runtime import default_comm
+        from .torch_transport import TorchTransport, process_group_ranks
+
+        base = default_comm(comm)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call commwire.init(transport='torch') or "
+                               "commwire.torch.init_process_group() first")
+        if dist.get_world_size() != base.size or dist.get_rank() != base.rank:
+            raise ValueError(f"torch.distributed numbers this process rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()}, but commwire's communicator has it as rank {base.rank} of "
+                             f"{base.size}; start torch.distributed with MPI's ranks "
+                             "(commwire.torch.init_process_group does)")
+        if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"rank {base.rank} is not a member of the process group (torch gave it "
+                             f"{pg!r}); call from_process_group only on its members")
+        ranks = process_group_ranks(pg)
+        if base.rank not in ranks:
+            raise ValueError(f"rank {base.rank} is not a member of the process group (ranks {ranks}); call "
+                             "from_process_group only on its members")
+        group = base.mpi.Get_group().Incl(ranks)
+        try:
+            mpi_sub = base.mpi.Create_group(group)
+        finally:
+            group.Free()
+        # Named alike on every member (and apart from the other communicators over these ranks):
+        # the groups derived from it (its lane's) are named after it.
+        label = "-".join(map(str, ranks))
+        count = _from_group_count[label] = _from_group_count.get(label, 0) + 1
+        uid = f"{base.uid}/pg{label}.{count}"
+        prefix = getattr(base.transport, "prefix", "commwire")
+        return Communicator(mpi_sub, transport=TorchTransport(pg, prefix=prefix), counters=base.counters,
+                            check=base.check if check is None else check, timeline=base.timeline,
+                            cuda_aware=base.cuda_aware, watchdog=base.watchdog, uid=uid)
+
     def __repr__(self) -> str:
-        return f"<commwire.Communicator rank {self.rank} of {self.size}>"
-
-    # --------------------------------------------------------------- agreement
-    def _guarded(self, key: tuple[Any, ...], sig: tuple[Any, ...], error: BaseException | None,
-                 run: Callable[[], Any], dummy: Callable[[tuple[Any, ...]], Any],
-                 fused: Callable[[_Agreed, bool], tuple[Any, bool]] | None = None) -> Any:
-        """Run one collective under the agreement protocol (see the module docstring).
-
-        ``run()`` moves this rank's data; ``dummy(sig)`` moves zeros shaped by
-        an agreed signature; ``fused(agreed, deviates)`` does the data movement
-        with the flag in the same buffer and returns (result, flagged).
-        """
-        check = self.check
-        if check is False:
-            if error is not None:
-                raise error
-            return run()
-        agreed = self._agreed.get(key) if check == "first" else None
-        if agreed is None:
-            self._agree(sig, error)
-            if check == "first":
-                self._remember(key, sig)
-            return run()
-        deviates = error is not None or sig != agreed.sig
-        if fused is not None and agreed.fused is not None:
-            result, flagged = fused(agreed, deviates)
-        else:
-            flag = self._flag_start(deviates)
-            try:
-                result = dummy(agreed.sig) if deviates else run()
-            finally:
-                flagged = self._flag_wait(flag, sig)
-        if not flagged:
-            return result
-        # Some rank deviated: every rank is here. Either all changed alike (agree, remember, redo)
-        # or the exchange raises the same error on every rank. Nobody's buffers were written:
-        # deviating ranks moved zeros, and a redo happens only when every rank deviated.
-        self._agree(sig, error)
-        self._remember(key, sig)
-        return run()
-
-    def _agree(self, sig: tuple[Any, ...], error: BaseException | None) -> Round:
-        with self.watched("check " + str(sig[0]), sig[1]):
-            rnd = exchange(self.mpi, sig, error)
-        if rnd.joined and not (sig[0] == "allreduce" and sig[4] in _JOINABLE):
-            raise RuntimeError(
-                f"{sig[0]} {sig[1]!r}: rank(s) {rnd.joined} of {self.size} have called join() and take part only "
-                "in all-reduces (sum, avg, min, max, prod); call this collective before join() on every rank")
-        return rnd
-
-    def _remember(self, key: tuple[Any, ...], sig: tuple[Any, ...]) -> None:
-        # Every rank remembers (and forgets) the same keys in the same order, so they
-        # always agree on which calls are first calls.
-        self._agreed.pop(key, None)
-        if len(self._agreed) >= _VERIFIED_KEYS:
-            self._agreed.popitem(last=False)
-        self._agreed[key] = _agreed_entry(sig, self.size)
-
-    def _flag_start(self, deviates: bool) -> tuple[Any, np.ndarray, np.ndarray]:
-        mine = np.array([int(deviates)], dtype=np.int32)
-        everyone = np.empty(1, dtype=np.int32)
-        return self.mpi.Iallreduce(mine, everyone, self._MPI.MAX), mine, everyone
-
-    def _flag_wait(self, flag: tuple[Any, np.ndarray, np.ndarray], sig: tuple[Any, ...]) -> bool:
-        with self.watched("check " + str(sig[0]), sig[1]):
-            wait_requests([flag[0]])
-        return bool(flag[2][0])
-
-    def resync(self) -> None:
-        """Wait here until every rank calls ``resync``; a rank's other collectives meanwhile raise (see check).
-
-        Brings ranks that an earlier failure left at different places of the
-        program back in step. Needs ``check=True`` (every collective starts with
-        the exchange that tells a rank the others are waiting here).
-        """
-        if self.check is not True:
-            raise RuntimeError("resync() needs a communicator that agrees on every collective: create it with "
-                               "check=True (commwire.torch's process sets are)")
-        with self.watched("resync"):
-            resync(self.mpi)
+        return f"<commwire.Communicator rank {self.rank} of {self.size} over {self.transport.name}>"
 
     def join(self) -> int:
         """Take part in the other ranks' all-reduces with zeros until every rank has joined.
@@ -242,32 +177,24 @@ class Communicator:
             if rnd.everyone_joined:
                 return max(r for r, n in enumerate(rnd.joined_for) if n == 0)
             sig = rnd.sig
-            if sig is not None and sig[0] == "allreduce" and sig[4] in _JOINABLE:
-                n, wdt, mop, _ = _reduction_of(sig)
-                self._move("allreduce", sig[1], self.mpi.Allreduce, self.mpi.Iallreduce,
-                           (self._MPI.IN_PLACE, np.zeros(n, dtype=wdt), mop))
+            if sig is not None and sig[0] == "allreduce" and sig[4] in JOINABLE:
+                n, wdt, rop, _ = self._reduction_of(sig)
+                self._move("allreduce", sig[1], self.transport.allreduce, None, np.zeros(n, dtype=wdt), rop)
             rounds += 1
 
     # ---------------------------------------------------------------- helpers
-    def _move(self, opname: str, name: str | None, blocking: Callable[..., Any], nonblocking: Callable[..., Any],
-              args: tuple[Any, ...]) -> None:
-        """Run one MPI data movement (a lane thread waits without holding its core)."""
+    def _move(self, opname: str, name: str | None, move: Callable[..., Any], *args: Any) -> None:
+        """Run one data movement of the transport, registered with the stall watchdog."""
         watchdog = self.watchdog
-        token = None
-        if watchdog is not None:
-            self._seq += 1
-            token = watchdog.enter(self.uid, self._seq, opname, name)
+        if watchdog is None:
+            move(*args)
+            return
+        self._seq += 1
+        token = watchdog.enter(self.uid, self._seq, opname, name)
         try:
-            # A lane's communicator runs collectives on its worker thread and, when the lane is idle,
-            # on the caller's: always the non-blocking variant there, since MPI never matches a
-            # blocking collective on one rank with a non-blocking one on another (that hangs).
-            if self._lane_comm:
-                wait_requests([nonblocking(*args)])
-            else:
-                blocking(*args)
+            move(*args)
         finally:
-            if token is not None:
-                watchdog.leave(token)
+            watchdog.leave(token)
 
     def _record(self, opname: str, name: str | None, nbytes: int, start: float) -> None:
         end = _perf()
@@ -280,7 +207,14 @@ class Communicator:
         return _Watched(self, opname, name)
 
     def _device_direct(self, x: Any) -> bool:
-        return self.cuda_aware and arrays.is_device_array(x)
+        """Return whether device array ``x`` goes to the transport as it is (else staged through host memory)."""
+        return arrays.is_device_array(x) and self.transport.device_buffers(x)
+
+    def _check_transport(self, x: Any) -> None:
+        """Raise a clear error if the transport cannot move ``x`` (e.g. a CUDA tensor on a gloo-only group)."""
+        check = getattr(self.transport, "check_buffer", None)
+        if check is not None:
+            check(x, arrays.is_device_array(x))
 
     def submit(self, method: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Handle:
         """Run ``method(lane_comm, *args, **kwargs)`` on this communicator's background lane; return its handle.
@@ -353,9 +287,9 @@ class Communicator:
         """Start an all-reduce on the background lane; the handle's ``wait()`` gives the result."""
         return self.submit(Communicator.allreduce, x, op, out=out, name=name)
 
-    def _allreduce_fast(self, agreed: _Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
+    def _allreduce_fast(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
         start = _perf()
-        mpi = self.mpi
+        allreduce = self.transport.allreduce
         if agreed.fused is not None:  # the deviation flag rides in the buffer (reused: one copy in, one out)
             n, wdt, mop, valid, _, average = agreed.fused
             if agreed.pad is None:
@@ -364,11 +298,10 @@ class Communicator:
             buf, head = agreed.pad, agreed.head
             np.copyto(head, x)
             buf[n] = valid
-            watchdog = self.watchdog
-            if watchdog is None and not self._lane_comm:
-                mpi.Allreduce(self._MPI.IN_PLACE, buf, mop)
+            if self.watchdog is None:
+                allreduce(None, buf, mop)
             else:
-                self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (self._MPI.IN_PLACE, buf, mop))
+                self._move("allreduce", name, allreduce, None, buf, mop)
             flagged = buf.item(n) != valid
             if not flagged:
                 if average:
@@ -385,11 +318,11 @@ class Communicator:
             mop, average = agreed.plain
             flag = self._flag_start(False)
             if out is x:
-                result, send = x, self._MPI.IN_PLACE
+                result, send = x, None
             else:
                 result, send = (np.empty_like(x) if out is None else out), x
             try:
-                self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (send, result, mop))
+                self._move("allreduce", name, allreduce, send, result, mop)
             finally:
                 flagged = self._flag_wait(flag, agreed.sig)
         if flagged:  # another rank deviated: the exchange raises here as there
@@ -411,29 +344,29 @@ class Communicator:
         error = None
         try:
             plan = _Reduction(self, x, op, out)
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it (see _guarded)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it (see run_collective)
             error = exc
-        sig = plan.sig(name) if plan is not None else ("allreduce", name, *describe(x), op_label(op), None, None,
-                                                       device_of(x))
-        mpi = self.mpi
+        sig = plan.sig(name) if plan is not None else Signature("allreduce", name, *describe(x), op_label(op),
+                                                                device=device_of(x))
+        allreduce = self.transport.allreduce
 
         def run() -> Any:
             assert plan is not None
             if plan.op == "adasum":
                 return plan.finish(self._adasum(plan.work))
             recv, sendbuf = plan.buffers()
-            self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (sendbuf, recv, plan.mop))
+            self._move("allreduce", name, allreduce, sendbuf, recv, plan.mop)
             return plan.finish(recv)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            n, wdt, mop, op_name = _reduction_of(agreed_sig)
+            n, wdt, mop, op_name = self._reduction_of(agreed_sig)
             zeros = np.zeros(n, dtype=wdt)
             if op_name == "adasum":
                 self._adasum(zeros)
             else:
-                self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (self._MPI.IN_PLACE, zeros, mop))
+                self._move("allreduce", name, allreduce, None, zeros, mop)
 
-        def fused(agreed: _Agreed, deviates: bool) -> tuple[Any, bool]:
+        def fused(agreed: Agreed, deviates: bool) -> tuple[Any, bool]:
             n, wdt, mop, valid, deviating, _ = agreed.fused
             if deviates:
                 buf = np.zeros(n + 1, dtype=wdt)
@@ -441,14 +374,14 @@ class Communicator:
             else:  # this rank's signature is the agreed one: its work buffer has the wire dtype
                 assert plan is not None
                 buf = plan.fused_buffer(n, valid)
-            self._move("allreduce", name, mpi.Allreduce, mpi.Iallreduce, (self._MPI.IN_PLACE, buf, mop))
+            self._move("allreduce", name, allreduce, None, buf, mop)
             if deviates or plan is None or plan.flag(buf, n) != valid:
                 return None, True
             return plan.finish(buf[:n].reshape(plan.shape)), False
 
         # Which path a call takes depends only on the agreed entry, never on this rank's arguments,
         # so every rank takes the same one.
-        result = self._guarded(("allreduce", name), sig, error, run, dummy, fused)
+        result = self.run_collective(sig, error, run, dummy, fused)
         self._record("allreduce", name, plan.nbytes if plan is not None else 0, start)
         return result
 
@@ -470,20 +403,17 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
         trailing = tuple(send.shape[1:]) if send is not None else describe(x)[0]
-        sig = ("allgather", name, trailing, dtype_name(dtype) if send is not None else describe(x)[1],
-               None, None, None, device_of(x))
-        mpi = self.mpi
+        sig = Signature("allgather", name, trailing, dtype_name(dtype) if send is not None else describe(x)[1],
+                        device=device_of(x))
+        transport = self.transport
 
         def gather(rows: int, buf: Any, row_shape: tuple[int, ...], dtype: np.dtype, dev: DeviceOps | None) -> Any:
             counts = np.empty(self.size, dtype=np.int64)
-            self._move("allgather sizes", name, mpi.Allgather, mpi.Iallgather,
-                       (np.array([rows], dtype=np.int64), counts))
+            self._move("allgather sizes", name, transport.allgather, np.array([rows], dtype=np.int64), counts)
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
             recv = _empty(dev, (int(counts.sum()),) + row_shape, dtype, buf)
             nbytes = counts * row_bytes
-            displs = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
-            spec = [_bytes(dev, recv), (nbytes, displs), self._MPI.BYTE]
-            self._move("allgather", name, mpi.Allgatherv, mpi.Iallgatherv, (_ready_bytes(dev, buf), spec))
+            self._move("allgather", name, transport.allgatherv, _ready_bytes(dev, buf), _bytes(dev, recv), nbytes)
             return recv
 
         def run() -> Any:
@@ -496,9 +426,9 @@ class Communicator:
             return adapter.wrap(recv, x)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]), _np_dtype(agreed_sig[3]), None)
+            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig.shape), _np_dtype(agreed_sig.dtype), None)
 
-        result = self._guarded(("allgather", name), sig, error, run, dummy)
+        result = self.run_collective(sig, error, run, dummy)
         self._record("allgather", name, int(send.nbytes) if send is not None else 0, start)
         return result
 
@@ -518,7 +448,7 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
         shape, dtype = (tuple(send.shape), dtype_name(np_dtype)) if send is not None else describe(x)
-        sig = ("broadcast", name, shape, dtype, None, root, None, device_of(x))
+        sig = Signature("broadcast", name, shape, dtype, root=root, device=device_of(x))
 
         def run() -> Any:
             assert send is not None
@@ -538,9 +468,9 @@ class Communicator:
             return adapter.wrap(buf, x)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            self._bcast(np.zeros(_nbytes(agreed_sig[2], agreed_sig[3]), dtype=np.uint8), agreed_sig[5], name)
+            self._bcast(np.zeros(_nbytes(agreed_sig.shape, agreed_sig.dtype), dtype=np.uint8), agreed_sig.root, name)
 
-        result = self._guarded(("broadcast", name), sig, error, run, dummy)
+        result = self.run_collective(sig, error, run, dummy)
         self._record("broadcast", name, int(send.nbytes) if send is not None else 0, start)
         return result
 
@@ -549,7 +479,7 @@ class Communicator:
         return self.submit(Communicator.broadcast, x, root, out=out, name=name)
 
     def _bcast(self, buf: np.ndarray, root: int, name: str | None) -> None:
-        self._move("broadcast", name, self.mpi.Bcast, self.mpi.Ibcast, (buf.reshape(-1).view(np.uint8), root))
+        self._move("broadcast", name, self.transport.broadcast, buf.reshape(-1).view(np.uint8), root)
 
     def _bcast_device(self, dev: DeviceOps, x: Any, send: Any, dtype: np.dtype, root: int, out: Any,
                       name: str | None) -> Any:
@@ -560,7 +490,7 @@ class Communicator:
             buf = dev.clone(send)
         else:
             buf = dev.empty(tuple(send.shape), dtype, send)
-        self._move("broadcast", name, self.mpi.Bcast, self.mpi.Ibcast, (_ready_bytes(dev, buf), root))
+        self._move("broadcast", name, self.transport.broadcast, _ready_bytes(dev, buf), root)
         if out is None:
             return buf
         if buf is not send:
@@ -573,6 +503,7 @@ class Communicator:
         Device arrays go to MPI as themselves on a CUDA-aware communicator; everything else as a
         host view (device arrays staged through host memory by their adapter).
         """
+        self._check_transport(x)
         if self._device_direct(x):
             dev = device_ops(x)
             dtype = dev.numpy_dtype(x)
@@ -603,17 +534,16 @@ class Communicator:
             rows = _row_counts(counts, plan.work.shape[0], self.size)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error, plan = exc, None
-        sig = plan.sig(name, "reduce_scatter") if plan is not None else (
-            "reduce_scatter", name, *describe(x), op_label(op), None, None, device_of(x))
+        sig = plan.sig(name, "reduce_scatter") if plan is not None else Signature(
+            "reduce_scatter", name, *describe(x), op_label(op), device=device_of(x))
         if counts is not None:
-            sig = sig[:6] + (tuple(int(c) for c in np.asarray(counts).reshape(-1)),) + sig[7:]
+            sig = sig._replace(counts=tuple(int(c) for c in np.asarray(counts).reshape(-1)))
 
         def scatter(work: Any, mop: Any, rows: np.ndarray, recv: Any = None) -> Any:
             row_elems = int(np.prod(tuple(work.shape[1:]), dtype=np.int64))
             if recv is None:
                 recv = np.empty((int(rows[self.rank]),) + tuple(work.shape[1:]), dtype=work.dtype)
-            self._move("reduce_scatter", name, self.mpi.Reduce_scatter, self.mpi.Ireduce_scatter,
-                       (work, recv, rows * row_elems, mop))
+            self._move("reduce_scatter", name, self.transport.reduce_scatter, work, recv, rows * row_elems, mop)
             return recv
 
         def run() -> Any:
@@ -626,12 +556,11 @@ class Communicator:
                 plan.release(send)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            _, wdt, mop, _ = _reduction_of(agreed_sig)
-            zeros = np.zeros(agreed_sig[2], dtype=wdt)
-            agreed_counts = agreed_sig[6] if agreed_sig[6] is not None else None
-            scatter(zeros, mop, _row_counts(agreed_counts, zeros.shape[0], self.size))
+            _, wdt, mop, _ = self._reduction_of(agreed_sig)
+            zeros = np.zeros(agreed_sig.shape, dtype=wdt)
+            scatter(zeros, mop, _row_counts(agreed_sig.counts, zeros.shape[0], self.size))
 
-        result = self._guarded(("reduce_scatter", name), sig, error, run, dummy)
+        result = self.run_collective(sig, error, run, dummy)
         self._record("reduce_scatter", name, plan.nbytes if plan is not None else 0, start)
         return result
 
@@ -664,21 +593,17 @@ class Communicator:
             error = exc
         shape, dtype = (tuple(send.shape[1:]), dtype_name(np_dtype)) if send is not None and send.ndim else \
             describe(x)
-        sig = ("alltoall", name, shape, dtype, None, None, None, device_of(x))
-        mpi = self.mpi
+        sig = Signature("alltoall", name, shape, dtype, device=device_of(x))
+        transport = self.transport
 
         def exchange_rows(rows: np.ndarray, buf: Any, row_shape: tuple[int, ...], dtype: np.dtype,
                           dev: DeviceOps | None) -> tuple[Any, np.ndarray]:
             received = np.empty(self.size, dtype=np.int64)
-            self._move("alltoall sizes", name, mpi.Alltoall, mpi.Ialltoall, (rows, received))
+            self._move("alltoall sizes", name, transport.alltoall_counts, rows, received)
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
             recv = _empty(dev, (int(received.sum()),) + row_shape, dtype, buf)
-            sb, rb = rows * row_bytes, received * row_bytes
-            sd = np.concatenate(([0], np.cumsum(sb)[:-1]))
-            rd = np.concatenate(([0], np.cumsum(rb)[:-1]))
-            self._move("alltoall", name, mpi.Alltoallv, mpi.Ialltoallv,
-                       ([_ready_bytes(dev, buf), (sb, sd), self._MPI.BYTE],
-                        [_bytes(dev, recv), (rb, rd), self._MPI.BYTE]))
+            self._move("alltoall", name, transport.alltoallv, _ready_bytes(dev, buf), rows * row_bytes,
+                       _bytes(dev, recv), received * row_bytes)
             return recv, received
 
         def run() -> Any:
@@ -691,10 +616,10 @@ class Communicator:
             return adapter.wrap(recv, x), received
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            exchange_rows(np.zeros(self.size, dtype=np.int64), np.empty(0, dtype=np.uint8), tuple(agreed_sig[2]),
-                          _np_dtype(agreed_sig[3]), None)
+            exchange_rows(np.zeros(self.size, dtype=np.int64), np.empty(0, dtype=np.uint8), tuple(agreed_sig.shape),
+                          _np_dtype(agreed_sig.dtype), None)
 
-        result = self._guarded(("alltoall", name), sig, error, run, dummy)
+        result = self.run_collective(sig, error, run, dummy)
         self._record("alltoall", name, int(send.nbytes) if send is not None else 0, start)
         return result
 
@@ -712,9 +637,9 @@ class Communicator:
             with self.watched("broadcast_object", name):
                 return self.mpi.bcast(value, root=at)
 
-        sig = ("broadcast_object", name, None, None, None, root, None, None)
-        result = self._guarded(("broadcast_object", name), sig, error, lambda: move(obj, root),
-                               lambda agreed_sig: move(None, agreed_sig[5]))
+        sig = Signature("broadcast_object", name, root=root)
+        result = self.run_collective(sig, error, lambda: move(obj, root),
+                                     lambda agreed_sig: move(None, agreed_sig.root))
         self.counters.record("broadcast_object", 0, _perf() - start)
         return result
 
@@ -728,8 +653,7 @@ class Communicator:
 
         # Nothing to validate, but agreeing on the operation keeps a rank that calls another
         # collective here from pairing with this one (with check=True, every call).
-        sig = ("allgather_object", name, None, None, None, None, None, None)
-        result = self._guarded(("allgather_object", name), sig, None, lambda: move(obj), lambda _: move(None))
+        result = self.run_collective(Signature("allgather_object", name), None, lambda: move(obj), lambda _: move(None))
         self.counters.record("allgather_object", 0, _perf() - start)
         return result
 
@@ -737,15 +661,15 @@ class Communicator:
         """Block until every rank has reached this call."""
         start = _perf()
         if self.check is True:  # the exchange is itself a barrier, and pairs with ranks in resync or join
-            self._agree(("barrier", None), None)
+            self._agree(Signature("barrier"), None)
         else:
-            self._move("barrier", None, self.mpi.Barrier, self.mpi.Ibarrier, ())
+            self._move("barrier", None, self.transport.barrier)
         self.counters.record("barrier", 0, _perf() - start)
 
     # ----------------------------------------------------------------- groups
     def split(self, color: int, key: int = 0) -> Communicator:
         """Split into sub-communicators of the ranks passing the same ``color``."""
-        return self._derive(self.mpi.Split(color, key))
+        return self.derive(self.mpi.Split(color, key))
 
     def new_group(self, ranks: list[int], *, check: bool | str | None = None) -> Communicator | None:
         """Return a communicator over ``ranks`` on its members and None elsewhere.
@@ -760,27 +684,62 @@ class Communicator:
             return None
         group = self.mpi.Get_group().Incl(ranks)
         try:
-            return self._derive(self.mpi.Create_group(group), check=check)
+            return self.derive(self.mpi.Create_group(group), check=check)
         finally:
             group.Free()
 
     def duplicate(self, *, check: bool | str | None = None) -> Communicator:
         """Return a communicator over the same ranks whose collectives never match this one's (collective)."""
-        return self._derive(self.mpi.Dup(), check=check)
+        return self.derive(self.mpi.Dup(), check=check)
 
     def node(self) -> Communicator:
         """Return the communicator of the ranks that share this node's memory."""
         if self._node is None:
-            self._node = self._derive(self.mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank))
+            self._node = self.derive(self.mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank))
         return self._node
 
-    def _derive(self, mpi_comm: Any, check: bool | str | None = None) -> Communicator:
+    def derive(self, mpi_comm: Any, check: bool | str | None = None) -> Communicator:
+        """Return a communicator over ``mpi_comm``, a communicator made from this one's (collective over its members).
+
+        It shares this one's counters, timeline and watchdog, and its data moves over a transport
+        of the same kind (for the torch transport, a new process group over its ranks).
+        """
         # Derivations are collective, so every member numbers them alike.
         self._derived += 1
+        ranks = self._MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.Get_size())),
+                                                self.mpi.Get_group())
+        uid = f"{self.uid}/{self._derived}"
         return Communicator(
-            mpi_comm, counters=self.counters, check=self.check if check is None else check, timeline=self.timeline,
-            cuda_aware=self.cuda_aware, watchdog=self.watchdog, uid=f"{self.uid}/{self._derived}",
+            mpi_comm, transport=self.transport.derive(mpi_comm, [int(r) for r in ranks], uid), counters=self.counters,
+            check=self.check if check is None else check, timeline=self.timeline, cuda_aware=self.cuda_aware,
+            watchdog=self.watchdog, uid=uid,
         )
+
+    def free(self) -> None:
+        """Release this communicator's MPI communicator and transport (call on every member, once)."""
+        self.transport.free()
+        if self.mpi not in (self._MPI.COMM_WORLD, self._MPI.COMM_SELF, self._MPI.COMM_NULL):
+            self.mpi.Free()
+
+    def _reduction_of(self, sig: Signature) -> tuple[int, np.dtype, Any, str]:
+        """Return (elements, dtype on the wire, transport op, op) of an agreed reduction signature."""
+        wdt, rop, _ = _wire(_np_dtype(sig.dtype), sig.op, sig.device == "cuda", self.transport)
+        return int(np.prod(sig.shape, dtype=np.int64)), wdt, rop, sig.op
+
+    def _agreed_entry(self, sig: Signature) -> Agreed:
+        """Return what later calls need of an agreed signature (the fused-flag plan for small all-reduces)."""
+        entry = Agreed(sig)
+        if sig.operation != "allreduce" or sig.op not in JOINABLE:
+            return entry
+        n, wdt, rop, op = self._reduction_of(sig)
+        if sig.device != "cuda" and wdt == _np_dtype(sig.dtype):  # the numpy fast path reduces in the input's dtype
+            entry.shape, entry.dtype, entry.op, entry.plain = tuple(sig.shape), wdt, op, (rop, op == "avg")
+        # A sum of 0/1 flags in one byte would wrap at 256 ranks.
+        if n * wdt.itemsize > FUSED_BYTES or (wdt.itemsize == 1 and op in ("sum", "avg") and self.size > 100):
+            return entry
+        valid, deviating = flag_values(op)
+        entry.fused = (n, wdt, rop, valid, deviating, op == "avg")
+        return entry
 
     def _check_root(self, root: Any) -> None:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -811,7 +770,9 @@ class _Reduction:
         self.op = normalize_op(op)
         on_device = arrays.is_device_array(x)
         self.dev: DeviceOps | None = device_ops(x) if on_device and self.op != "adasum" else None
-        self.direct = self.dev is not None and comm.cuda_aware
+        self.direct = self.dev is not None and comm.transport.device_buffers(x)
+        if self.op != "adasum":  # Adasum runs on host copies over MPI
+            comm._check_transport(x)
         if self.dev is not None:
             self.dtype = self.dev.numpy_dtype(x)
         else:
@@ -821,7 +782,7 @@ class _Reduction:
         check_dtype(self.dtype)
         check_reduction(self.op, self.dtype)
         check_out(x, out, "allreduce")
-        self.wire, self.mop, self.ordered = _wire(self.dtype, self.op, on_device)
+        self.wire, self.mop, self.ordered = _wire(self.dtype, self.op, on_device, comm.transport)
         self.average = self.op == "avg"
         self.shape = tuple(x.shape)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -837,10 +798,9 @@ class _Reduction:
             self.work = self.send.astype(work_dtype(self.dtype)) if half else self.send
             self.fresh = half
 
-    def sig(self, name: str | None, operation: str = "allreduce") -> tuple[Any, ...]:
+    def sig(self, name: str | None, operation: str = "allreduce") -> Signature:
         """Return the signature every rank must agree on."""
-        return (operation, name, self.shape, dtype_name(self.dtype), self.op, None, None,
-                "cuda" if arrays.is_device_array(self.x) else "cpu")
+        return Signature(operation, name, self.shape, dtype_name(self.dtype), self.op, device=device_of(self.x))
 
     # MPI's buffers: the device work itself when direct, else host memory.
     def mpi_send(self) -> Any:
@@ -868,7 +828,7 @@ class _Reduction:
         if self.dev is not None:
             if not self.direct or self.fresh or self.out is self.x:
                 # A buffer of ours (host copy, or device copy) or x's own memory for out=x: in place.
-                return self.mpi_send(), self.comm._MPI.IN_PLACE
+                return self.mpi_send(), None
             return self.mpi_empty(tuple(self.work.shape)), self.mpi_send()
         out, x, send = self.out, self.x, self.send
         # Reduce straight into the caller's `out` when its memory can take the
@@ -877,7 +837,7 @@ class _Reduction:
         if direct is not None and direct.dtype == self.dtype and direct.size == send.size:
             recv = direct.reshape(send.shape)
             if out is x or direct is send:
-                return recv, self.comm._MPI.IN_PLACE
+                return recv, None
             if not np.may_share_memory(recv, send):
                 return recv, send
         return np.empty_like(self.work), self.work
@@ -939,49 +899,25 @@ class _Reduction:
 _ORDERED = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
 
 
-def _wire(dtype: np.dtype, op: str, device: bool) -> tuple[np.dtype, Any, bool]:
-    """Return (dtype on the wire, MPI op, whether as ordered integers) of reducing ``dtype`` with ``op``.
+def _wire(dtype: np.dtype, op: str, device: bool, transport: Transport) -> tuple[np.dtype, Any, bool]:
+    """Return (dtype on the wire, transport op, whether as ordered integers) of reducing ``dtype`` with ``op``.
 
-    Device arrays reduce float min/max as order-preserving integers with MPI's
-    own MIN/MAX (``DeviceOps.ordered``), on every path: which messages travel
-    depends on the agreed signature (its device field) only.
+    Device arrays reduce float min/max as order-preserving integers with the
+    transport's own MIN/MAX (``DeviceOps.ordered``), on every path: which
+    messages travel depends on the agreed signature (its device field) only.
     """
     wdt = work_dtype(dtype)
     if op == "adasum":
         return wdt, None, False
     if device and op in ("min", "max") and wdt in _ORDERED:
-        from mpi4py import MPI
-
-        return _ORDERED[wdt], MPI.MIN if op == "min" else MPI.MAX, True
-    return wdt, mpi_op(op, dtype), False
-
-
-def _agreed_entry(sig: tuple[Any, ...], size: int) -> _Agreed:
-    """Return what later calls need of an agreed signature (the fused-flag plan for small all-reduces)."""
-    entry = _Agreed(sig)
-    if sig[0] != "allreduce" or sig[4] not in _JOINABLE:
-        return entry
-    n, wdt, mop, op = _reduction_of(sig)
-    if sig[7] != "cuda" and wdt == _np_dtype(sig[3]):  # the numpy fast path reduces in the input's dtype
-        entry.shape, entry.dtype, entry.op, entry.plain = tuple(sig[2]), wdt, op, (mop, op == "avg")
-    # A sum of 0/1 flags in one byte would wrap at 256 ranks.
-    if n * wdt.itemsize > _FUSED_BYTES or (wdt.itemsize == 1 and op in ("sum", "avg") and size > 100):
-        return entry
-    valid, deviating = flag_values(op)
-    entry.fused = (n, wdt, mop, valid, deviating, op == "avg")
-    return entry
+        return _ORDERED[wdt], transport.reduce_op(op, _ORDERED[wdt]), True
+    return wdt, transport.reduce_op(op, dtype), False
 
 
 def _plain_out(out: Any, x: np.ndarray) -> bool:
     """Return whether ``out`` is a numpy array the fast path may write x's result into directly."""
     return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape and out.flags.c_contiguous
             and out.flags.writeable and not np.may_share_memory(out, x))
-
-
-def _reduction_of(sig: tuple[Any, ...]) -> tuple[int, np.dtype, Any, str]:
-    """Return (elements, dtype on the wire, MPI op, op) of an agreed reduction signature."""
-    wdt, mop, _ = _wire(_np_dtype(sig[3]), sig[4], sig[7] == "cuda")
-    return int(np.prod(sig[2], dtype=np.int64)), wdt, mop, sig[4]
 
 
 def _np_dtype(name: str) -> np.dtype:

@@ -65,8 +65,8 @@ class Lane:
                 "background collectives need MPI thread level 'multiple'; "
                 "call commwire.init(thread_level='multiple') (the default)"
             )
-        self.comm = comm._derive(comm.mpi.Dup())
-        self.comm._lane_comm = True
+        self.comm = comm.derive(comm.mpi.Dup())
+        self.comm.transport.lane = True  # its waits yield the CPU (see MPITransport)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="commwire-lane", initializer=_mark_lane_thread)
         self._run_lock = threading.Lock()  # held while a function of this lane runs, on any thread
         self._count_lock = threading.Lock()

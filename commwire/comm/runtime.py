@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _config
 from .communicator import Communicator
+from .transport import TRANSPORTS, MPITransport
 from .stats import Counters
 from .timeline import Timeline
 
@@ -59,6 +60,7 @@ def init(
     abort_on_error: bool | None = None,
     timeout: float | None = None,
     on_stall: str | None = None,
+    transport: str | None = None,
 ) -> Communicator:
     """Initialise MPI (once) and return the world communicator.
 
@@ -81,15 +83,21 @@ def init(
             COMMWIRE_TIMEOUT, default 300; 0 disables the watchdog).
         on_stall: "abort" the job after the report (default) or only "warn"
             (fallback: COMMWIRE_ON_STALL).
+        transport: what carries the data: "mpi" (default) or "torch" (torch.distributed: gloo for
+            host buffers, NCCL for CUDA buffers where CUDA exists; started here over MPI's ranks
+            unless already initialised). MPI stays the control plane either way
+            (fallback: COMMWIRE_TRANSPORT).
     """
     global _world, _thread_level
     _validate_init(check, timeline, thread_level, cuda_aware, abort_on_error, timeout, on_stall)
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not valid; use one of {', '.join(map(repr, TRANSPORTS))}")
     with _lock:
         if _world is not None:
             if comm is not None and comm is not _world.mpi:
                 raise RuntimeError("commwire is already initialised with another communicator; call finalize() first")
             _check_reinit(_world, timeline=timeline, thread_level=thread_level, cuda_aware=cuda_aware,
-                          timeout=timeout, on_stall=on_stall)
+                          timeout=timeout, on_stall=on_stall, transport=transport)
             if check is not None:
                 _world.check = check
             return _world
@@ -115,13 +123,15 @@ def init(
             from .watchdog import Watchdog
 
             watchdog = Watchdog(mpi_comm, timeout=timeout, action=on_stall)
-        _world = Communicator(mpi_comm, counters=_counters, check=check, timeline=recorder, cuda_aware=cuda_aware,
-                              watchdog=watchdog)
+        transport = transport or _config.env_choice("COMMWIRE_TRANSPORT", TRANSPORTS, "mpi")
+        data = _make_transport(mpi_comm, transport, bool(cuda_aware))
+        _world = Communicator(mpi_comm, transport=data, counters=_counters, check=check, timeline=recorder,
+                              cuda_aware=cuda_aware, watchdog=watchdog)
         # Derived communicators are made collectively: made later, on first use, ranks that
         # first ask in different places (one calls local_rank(), another a collective) deadlock.
         _world.node()
         _settings.update(timeline=path or None, thread_level=level, cuda_aware=bool(cuda_aware), timeout=timeout,
-                         on_stall=on_stall)
+                         on_stall=on_stall, transport=transport)
         if _config.env_bool("COMMWIRE_ABORT_ON_ERROR", True) if abort_on_error is None else abort_on_error:
             install_abort_hook()
         atexit.register(_finalize_at_exit)
@@ -129,6 +139,25 @@ def init(
 
 
 _settings: dict[str, Any] = {}
+_generation = 0
+
+
+def _make_transport(mpi_comm: Any, transport: str, cuda_aware: bool) -> Any:
+    """Return the world's data transport (collective: every rank agrees on the choice first)."""
+    choices = mpi_comm.allgather(transport)
+    if len(set(choices)) > 1:
+        raise ValueError(f"ranks asked for different transports: {dict(enumerate(choices))}; pass the same "
+                         "init(transport=...) / COMMWIRE_TRANSPORT on every rank")
+    if transport == "mpi":
+        return MPITransport(mpi_comm, cuda_aware=cuda_aware)
+    from .torch_transport import TorchTransport, default_backend, init_torch_distributed
+
+    global _generation
+    init_torch_distributed(mpi_comm, default_backend())
+    import torch.distributed as dist
+
+    _generation += 1  # every init() is collective: the groups of each world get names of their own
+    return TorchTransport(dist.group.WORLD, prefix=f"commwire{_generation}")
 
 
 def _validate_init(check: Any, timeline: Any, thread_level: Any, cuda_aware: Any, abort_on_error: Any,

@@ -29,7 +29,8 @@ NO_EFFECT = {
     "HOROVOD_GROUPED_ALLREDUCES": "grouped collectives always fuse",
     "HOROVOD_DISABLE_GROUP_FUSION": "grouped collectives always fuse",
     "HOROVOD_THREAD_AFFINITY": "commwire starts no pinned background thread",
-    "HOROVOD_GPU_OPERATIONS": "CUDA buffers go to a CUDA-aware MPI or are staged through host memory",
+    "HOROVOD_GPU_OPERATIONS": "CUDA buffers travel over NCCL with COMMWIRE_TRANSPORT=torch, else to a CUDA-aware "
+                              "MPI or staged through host memory",
     "HOROVOD_GPU_ALLREDUCE": "CUDA buffers go to a CUDA-aware MPI or are staged through host memory",
     "HOROVOD_GPU_ALLGATHER": "CUDA buffers go to a CUDA-aware MPI or are staged through host memory",
     "HOROVOD_GPU_BROADCAST": "CUDA buffers go to a CUDA-aware MPI or are staged through host memory",

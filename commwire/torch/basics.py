@@ -218,7 +218,7 @@ def _register(ps: ProcessSet) -> ProcessSet:
             mpi_sub = world.mpi.Create(group)  # collective over the world; COMM_NULL on non-members
         finally:
             group.Free()
-    ps.comm = world._derive(mpi_sub, check=True) if mpi_sub is not None and mpi_sub != _null() else None
+    ps.comm = world.derive(mpi_sub, check=True) if mpi_sub is not None and mpi_sub != _null() else None
     if ps.comm is not None:
         _start_lane(ps.comm)
     ps.process_set_id = _state["next_id"]
@@ -262,7 +262,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         del _sets[process_set.process_set_id]
         if process_set.comm is not None:
             close_lane(process_set.comm)
-            process_set.comm.mpi.Free()
+            process_set.comm.free()
         process_set.process_set_id, process_set.comm = None, None
     return True
 
@@ -369,8 +369,22 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built(verbose: bool = False) -> int:
-    """Return 0: commwire does not call NCCL (CUDA buffers go to a CUDA-aware MPI or are staged)."""
-    return 0
+    """Return torch's NCCL version (as Horovod: e.g. 22703) when CUDA tensors travel over NCCL, else 0.
+
+    They do when the world's data transport is torch.distributed with an NCCL backend for CUDA
+    (``COMMWIRE_TRANSPORT=torch`` where CUDA exists); over MPI they go to a CUDA-aware MPI or are staged.
+    """
+    if not runtime.is_initialized():
+        return 0
+    backends = getattr(runtime.world().transport, "backends", {})
+    if backends.get("cuda") != "nccl":
+        return 0
+    import torch
+
+    version = torch.cuda.nccl.version()
+    major, minor, patch = version if isinstance(version, tuple) else (version // 1000, version // 100 % 10,
+                                                                       version % 100)
+    return int(major * 10000 + minor * 100 + patch)
 
 
 def ddl_built(verbose: bool = False) -> bool:

@@ -9,7 +9,9 @@ keeps overlapping communication with backward: the hook returns a
 groups, HSDP's replicate dimension, a pipeline stage's data-parallel group)
 reduces over that subgroup: pass the DDP module as ``model`` (its group is read
 from it) or the group as ``process_group``, as torch's own hooks take it in
-their state.
+their state. The payloads travel over that process group itself (gloo, or NCCL
+for CUDA buckets: commwire's torch transport), or over MPI with
+``transport="mpi"``.
 
 Error-feedback residuals are keyed by the bucket's index and its parameters'
 names, so they are found again every step; DDP rebuilds its buckets once after
@@ -31,8 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import os
-import socket
 import zlib
 from typing import Any
 
@@ -40,6 +40,7 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.runtime import default_comm
+from ..comm.torch_transport import init_torch_distributed
 
 __all__ = ["DDPHookState", "ddp_hook", "init_process_group"]
 
@@ -48,43 +49,16 @@ def init_process_group(backend: str = "gloo", *, comm: Communicator | None = Non
     """Initialise torch.distributed over this MPI job's ranks (call on every rank).
 
     Args:
-        backend: "gloo" (CPU) or "nccl" (one GPU per rank).
+        backend: "gloo" (CPU), "nccl" (one GPU per rank) or "cpu:gloo,cuda:nccl" (both).
         comm: the commwire communicator whose ranks form the group (default: the world).
         timeout: passed to ``torch.distributed.init_process_group``.
 
     The address is MASTER_ADDR if set (``commwire run --lab`` sets it), else
     loopback when every rank is on one node, else rank 0's host address; the
-    port is MASTER_PORT if set, else a free one chosen on rank 0.
+    port is MASTER_PORT if set, else a free one chosen on rank 0. A bad backend
+    raises on every rank together.
     """
-    import torch.distributed as dist
-
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPUs)")
-    comm = default_comm(comm)
-    if dist.is_initialized():
-        if dist.get_world_size() != comm.size or dist.get_rank() != comm.rank:
-            raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                               f"{dist.get_world_size()}, but this is MPI rank {comm.rank} of {comm.size}")
-        return
-    if backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(comm.node().rank % torch.cuda.device_count())
-    if comm.rank == 0:
-        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if comm.node().size == comm.size else
-                                                  socket.gethostbyname(socket.gethostname()))
-        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else _free_port(host)
-        address = (host, port)
-    else:
-        address = None
-    host, port = comm.broadcast_object(address, 0, name="commwire.init_process_group")
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size,
-                            **kwargs)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    init_torch_distributed(default_comm(comm).mpi, backend, timeout)
 
 
 class DDPHookState:
@@ -96,12 +70,15 @@ class DDPHookState:
             communicator over that group's ranks, made at the first bucket).
         names: {parameter: name} for keys that survive bucket rebuilds (else shapes are used).
         process_group: DDP's process group (default: torch.distributed's default group).
+        transport: "torch" (default): the buckets travel over DDP's process group itself (gloo,
+            NCCL); "mpi": over an MPI communicator of the same ranks (MPI-only setups).
 
     Pickles without its communicator and process group (as PowerSGDState drops its group).
     """
 
     def __init__(self, codec: Any = "none", comm: Communicator | None = None,
-                 names: dict[torch.Tensor, str] | None = None, process_group: Any = None) -> None:
+                 names: dict[torch.Tensor, str] | None = None, process_group: Any = None,
+                 transport: str = "torch") -> None:
         from ..codecs import get
         from ..codecs.base import Codec
 
@@ -116,6 +93,9 @@ class DDPHookState:
                                  "collect; use DistributedOptimizer(compression=..., model=model) for GIFT, or a "
                                  "codec without gift+")
         self.spec = "none" if self.codec is None else self.codec.spec
+        if transport not in ("torch", "mpi"):
+            raise ValueError(f"transport={transport!r} is not valid; use 'torch' (DDP's own process group) or 'mpi'")
+        self.transport = transport
         self.comm = comm
         self.process_group = process_group
         self.names = {id(p): n for p, n in (names or {}).items()}
@@ -134,7 +114,7 @@ class DDPHookState:
 
     def _comm(self) -> Communicator:
         if not self._checked:
-            self.comm = _group_communicator(self.process_group, self.comm)
+            self.comm = _group_communicator(self.process_group, self.comm, self.transport)
             self._checked = True
         return self.comm
 
@@ -157,12 +137,13 @@ class DDPHookState:
                 "names": {}}
 
 
-def _group_communicator(process_group: Any, comm: Communicator | None) -> Communicator:
+def _group_communicator(process_group: Any, comm: Communicator | None, transport: str = "torch") -> Communicator:
     """Return the communicator over ``process_group``'s ranks: ``comm`` if given and matching, else a new one.
 
     torch's global ranks are commwire's world ranks (``init_process_group`` makes them so,
-    and this checks it); a subgroup gets an MPI communicator over the same ranks in the
-    group's order, made by the group's members only (MPI_Comm_create_group).
+    and this checks it). With the torch transport the data moves over the group itself
+    (``Communicator.from_process_group``); with "mpi" a subgroup gets an MPI communicator over
+    the same ranks in the group's order, made by the group's members only (MPI_Comm_create_group).
     """
     import torch.distributed as dist
 
@@ -182,6 +163,8 @@ def _group_communicator(process_group: Any, comm: Communicator | None) -> Commun
     if world.rank not in ranks:
         raise RuntimeError(f"rank {world.rank} is not in DDP's process group (global ranks {ranks}); build the "
                            "hook on the ranks that run DDP over that group")
+    if transport == "torch":
+        return Communicator.from_process_group(group, comm=world)
     return world if ranks == list(range(world.size)) else world.new_group(ranks)
 
 
@@ -239,7 +222,8 @@ _annotate()
 
 
 def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None,
-             comm: Communicator | None = None, process_group: Any = None) -> tuple[DDPHookState, Any]:
+             comm: Communicator | None = None, process_group: Any = None, transport: str = "torch"
+             ) -> tuple[DDPHookState, Any]:
     """Return ``(state, hook)`` for ``ddp.register_comm_hook(state, hook)``.
 
     Args:
@@ -251,6 +235,8 @@ def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None
             (default: one over that group's ranks).
         process_group: DDP's process group, when ``model`` is not the DDP module
             (default: the default group). A DDP over a subgroup needs one of the two.
+        transport: "torch" (default: each bucket travels over DDP's own process group,
+            NCCL for CUDA buckets) or "mpi" (an MPI communicator over the same ranks).
 
     Example:
         >>> state, hook = ddp_hook("ef+nvfp4", model=model)
@@ -262,4 +248,4 @@ def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None
         names = {p: n for n, p in module.named_parameters()}
         if process_group is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             process_group = model.process_group
-    return DDPHookState(codec, comm=comm, names=names, process_group=process_group), _hook
+    return DDPHookState(codec, comm=comm, names=names, process_group=process_group, transport=transport), _hook

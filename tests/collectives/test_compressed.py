@@ -1,11 +1,11 @@
 """Compressed all-reduce on 2 and 4 ranks — tier 2 (launches mpiexec)."""
 
 import pytest
-from mpi_helpers import run_mpi_pytest
+from mpi_helpers import BOTH_TRANSPORTS, run_mpi_pytest
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_compressed_allreduce_suite(n):
-    run_mpi_pytest(n, "tests/collectives/mpi_compressed.py")
+@pytest.mark.parametrize("n,transport", BOTH_TRANSPORTS)
+def test_compressed_allreduce_suite(n, transport):
+    run_mpi_pytest(n, "tests/collectives/mpi_compressed.py", transport=transport)

@@ -32,7 +32,7 @@ def _split() -> cw.Communicator:
     return WORLD.split(color=WORLD.rank % 2 if WORLD.size > 1 else 0, key=WORLD.rank)
 
 
-COMMS = {"world": WORLD, "dup": WORLD._derive(MPI.COMM_WORLD.Dup()), "split": _split()}
+COMMS = {"world": WORLD, "dup": WORLD.derive(MPI.COMM_WORLD.Dup()), "split": _split()}
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -258,7 +258,7 @@ def test_bad_op_and_dtype_errors():
 def test_check_mode_reports_every_rank():
     if WORLD.size == 1:
         return
-    checked = WORLD._derive(MPI.COMM_WORLD.Dup())
+    checked = WORLD.derive(MPI.COMM_WORLD.Dup())
     checked.check = True
     bad = np.ones(3 + (WORLD.rank == 1), dtype=np.float32)
     with pytest.raises(cw.CollectiveMismatchError) as info:

@@ -392,7 +392,7 @@ class _MpiSpy:
 def test_direct_paths_synchronize_after_queued_work_and_before_mpi(monkeypatch):
     log = _Log(monkeypatch)
     comm = cw.Communicator(MPI.COMM_WORLD.Dup(), cuda_aware=True, uid="spy")
-    comm.mpi = _MpiSpy(comm.mpi, log)
+    comm.transport.mpi = _MpiSpy(comm.transport.mpi, log)
     x = tensor(data(R, (6, 2), "bfloat16"))
     for _ in range(2):
         comm.allreduce(x, "sum", name="s")
@@ -412,7 +412,7 @@ def test_direct_paths_synchronize_after_queued_work_and_before_mpi(monkeypatch):
 def test_staged_paths_never_hand_torch_buffers_to_mpi(monkeypatch):
     log = _Log(monkeypatch)
     comm = cw.Communicator(MPI.COMM_WORLD.Dup(), cuda_aware=False, uid="spy2")
-    comm.mpi = _MpiSpy(comm.mpi, log)
+    comm.transport.mpi = _MpiSpy(comm.transport.mpi, log)
     comm.allreduce(tensor(data(R, (6,), "float16")), "max")
     comm.allgather(tensor(data(R, (3,), "float32")))
     comm.broadcast(tensor(data(R, (3,), "int64")))
@@ -435,11 +435,18 @@ def test_compressed_direct_path_readies_device_buffers_before_mpi(monkeypatch):
 
         monkeypatch.setattr(collective._Run, name, logged)
     comm = cw.Communicator(MPI.COMM_WORLD.Dup(), cuda_aware=True, uid="spy3")
-    spy = _MpiSpy(comm.mpi, _Log.__new__(_Log))
+    spy = _MpiSpy(comm.transport.mpi, _Log.__new__(_Log))
     spy._log.events = events
-    comm.mpi = spy
-    real_p2p = collective._p2p_comm
-    monkeypatch.setattr(collective, "_p2p_comm", lambda c: _MpiSpy(real_p2p(c), spy._log))
+    comm.transport.mpi = spy
+    real_pipe = collective._pipe
+
+    def spied_pipe(c):
+        pipe = real_pipe(c)
+        if not isinstance(pipe.mpi, _MpiSpy):
+            pipe.mpi = _MpiSpy(pipe.mpi, spy._log)
+        return pipe
+
+    monkeypatch.setattr(collective, "_pipe", spied_pipe)
     for n in (1000, 70_000):
         for _ in range(2):
             compressed_allreduce(comm, tensor(data(R, (n,), "float32")), codec="ef+nvfp4", segment_bytes=16 << 10)

@@ -8,6 +8,6 @@ from mpi_helpers import run_mpi_pytest
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_agreement_suite(n):
-    run_mpi_pytest(n, "tests/core/mpi_agreement.py")
+@pytest.mark.parametrize("n,transport", [(2, "mpi"), (4, "mpi"), (2, "torch")])
+def test_agreement_suite(n, transport):
+    run_mpi_pytest(n, "tests/core/mpi_agreement.py", transport=transport)

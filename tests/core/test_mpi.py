@@ -19,9 +19,9 @@ from mpi_helpers import ROOT, run_mpi, run_mpi_pytest
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_collectives_suite(n):
-    run_mpi_pytest(n, "tests/core/mpi_collectives.py")
+@pytest.mark.parametrize("n,transport", [(1, "mpi"), (2, "mpi"), (4, "mpi"), (3, "torch")])
+def test_collectives_suite(n, transport):
+    run_mpi_pytest(n, "tests/core/mpi_collectives.py", transport=transport)
 
 
 def _commwire(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:

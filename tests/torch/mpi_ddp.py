@@ -39,14 +39,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(codec: str | None, steps: int = 20, bucket_cap_mb: float = 25, process_group: Any = None,
-           seed: int = 0) -> tuple[torch.nn.Module, list[float], Any]:
+           seed: int = 0, transport: str = "torch") -> tuple[torch.nn.Module, list[float], Any]:
     """Train with plain DDP (codec None) or commwire's hook; return the model, the losses and the hook state."""
     model = _model(seed)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
     state = None
     if codec is not None:
         # Given the DDP module, the hook reduces over DDP's own process group.
-        state, hook = hvd.ddp_hook(codec, model=ddp if process_group is not None else model)
+        state, hook = hvd.ddp_hook(codec, model=ddp if process_group is not None else model, transport=transport)
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     losses = []
@@ -68,10 +68,12 @@ def test_init_process_group_matches_mpi():
     assert t.tolist() == [float(sum(range(P)))] * 2
 
 
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.001])  # one bucket, and one per parameter
-def test_codec_none_equals_plain_ddp(bucket_cap_mb):
+def test_codec_none_equals_plain_ddp(bucket_cap_mb, transport):
     plain, _, _ = _train(None, bucket_cap_mb=bucket_cap_mb)
-    ours, _, state = _train("none", bucket_cap_mb=bucket_cap_mb)
+    ours, _, state = _train("none", bucket_cap_mb=bucket_cap_mb, transport=transport)
+    assert state.comm.transport.name == transport
     for a, b in zip(plain.parameters(), ours.parameters()):
         np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7)
     assert state.steps == 20 and state.bytes_sent == state.input_bytes > 0
@@ -120,6 +122,8 @@ def test_bad_input_errors():
         hvd.ddp_hook("fp9")
     with pytest.raises(ValueError, match="backend"):
         hvd.init_process_group("mpi-magic")
+    with pytest.raises(ValueError, match="transport='gloo' is not valid"):
+        hvd.ddp_hook("none", transport="gloo")
 
 
 def test_hook_on_a_group_that_is_not_commwires_ranks():
@@ -137,15 +141,16 @@ def _replica_groups() -> tuple[Any, int]:
     return groups[R // 2], R // 2
 
 
-def test_hook_reduces_over_ddps_subgroup_as_plain_ddp_does():
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
+def test_hook_reduces_over_ddps_subgroup_as_plain_ddp_does(transport):
     # Reference: plain DDP on the same subgroup. Were the buckets reduced over all 4 ranks,
     # each group's weights would be the average of both groups' gradients and differ from it.
     if P != 4:
         pytest.skip("two replica groups of two ranks need 4 ranks")
     group, index = _replica_groups()
     ref, _, _ = _train(None, process_group=group)
-    got, _, state = _train("none", process_group=group)
-    assert state.comm.size == 2 and state.comm.rank == R % 2
+    got, _, state = _train("none", process_group=group, transport=transport)
+    assert state.comm.size == 2 and state.comm.rank == R % 2 and state.comm.transport.name == transport
     for (name, a), b in zip(ref.named_parameters(), got.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
     # The two groups trained on different data: their weights differ, inside each group they are equal.
@@ -158,7 +163,8 @@ def test_hook_reduces_over_ddps_subgroup_as_plain_ddp_does():
         state._comm()
 
 
-def test_compressed_hook_on_subgroups_trains_within_plain_ddps_seed_range():
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
+def test_compressed_hook_on_subgroups_trains_within_plain_ddps_seed_range(transport):
     # ef+fp8-e4m3 on each replica group: the loss of the last full cycle of batches (4 steps),
     # averaged over the group's ranks and over 3 seeds, lies within the range plain DDP's
     # takes over the same seeds (and plain DDP learns: that loss is well below the first cycle's).
@@ -167,7 +173,7 @@ def test_compressed_hook_on_subgroups_trains_within_plain_ddps_seed_range():
     group, _ = _replica_groups()
 
     def cycles(codec: str | None, seed: int) -> tuple[float, float]:
-        _, losses, _ = _train(codec, steps=40, process_group=group, seed=seed)
+        _, losses, _ = _train(codec, steps=40, process_group=group, seed=seed, transport=transport)
         t = torch.tensor([np.mean(losses[:4]), np.mean(losses[-4:])], dtype=torch.float64)
         dist.all_reduce(t, group=group)  # torch's own all-reduce: the group's mean, independent of the hook
         return float(t[0]) / 2, float(t[1]) / 2

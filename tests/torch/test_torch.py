@@ -7,6 +7,6 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_torch_suite(n):
-    run_mpi_pytest(n, "tests/torch/mpi_torch.py", timeout=600)
+@pytest.mark.parametrize("n,transport", [(2, "mpi"), (4, "mpi"), (2, "torch")])
+def test_torch_suite(n, transport):
+    run_mpi_pytest(n, "tests/torch/mpi_torch.py", timeout=600, transport=transport)

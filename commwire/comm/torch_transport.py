@@ -1,0 +1,441 @@
+"""The torch transport: a communicator's data over a ``torch.distributed`` process group.
+
+gloo moves host buffers, NCCL moves CUDA buffers (a group made with
+``"cpu:gloo,cuda:nccl"`` does both); MPI stays the control plane (the agreement
+protocol, the flags, pickled objects, Adasum), as in Horovod. Every collective
+runs as a torch collective on the group (``async_op=True``, then waited on:
+on a lane thread by polling and yielding the CPU), with a few conversions
+where torch's backends lack a type or an operation — each exact, so results are
+bit-identical to the MPI transport's:
+
+* gloo reduces no int16/uint16/uint32/uint64: int16/uint16 reduce as int32 and
+  uint32 as int64 (sums and products wrap alike once narrowed back), uint64
+  sums and products as int64 (two's complement adds and multiplies the same
+  bits), uint64 min/max as int64 with the sign bit flipped;
+* float min/max reduce as order-preserving integers with NaN mapped to the
+  winning extreme (``DeviceOps.ordered``), so NaN propagates as numpy's does
+  whatever the backend's comparison does (as the canonical quiet NaN);
+* gathers of unequal blocks and reduce-scatters of unequal blocks pad every
+  block to the largest (torch's collectives take equal blocks).
+
+NCCL runs on its own stream: work queued on the caller's stream is complete
+before NCCL reads a buffer (the communicator synchronises device buffers before
+a move, as for MPI) and ``Work.wait()`` orders the caller's stream after NCCL's.
+
+``init_torch_distributed`` starts torch.distributed inside an MPI job (rank and
+size from MPI, rank 0's address and a free port shared by broadcast), and
+``process_group_ranks`` checks a group's ranks against MPI's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from .handle import in_lane
+from .transport import Transport
+
+__all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "BACKENDS"]
+
+BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+"""The torch.distributed backends commwire sets up itself (``init_torch_distributed``)."""
+_YIELDS = 16
+_NAP = 100e-6
+
+
+def default_backend() -> str:
+    """Return the backend ``init(transport="torch")`` starts: gloo and NCCL where CUDA exists, else gloo."""
+    import torch
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_torch_distributed(comm: Any, backend: str, timeout: Any = None) -> None:
+    """Initialise torch.distributed over the ranks of MPI communicator ``comm`` (collective; once per process).
+
+    The address is MASTER_ADDR if set (``commwire run --lab`` sets it), else loopback when every
+    rank is on one node, else rank 0's host address; the port is MASTER_PORT if set, else a free
+    one chosen on rank 0. An initialised torch.distributed must number its ranks as MPI does.
+    """
+    import torch
+    import torch.distributed as dist
+
+    problem = None
+    if backend not in BACKENDS:
+        problem = f"backend={backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}"
+    elif "nccl" in backend and not torch.cuda.is_available():
+        problem = (f"backend={backend!r} needs CUDA, but torch {torch.__version__} sees no GPU on this rank; use "
+                   "backend='gloo', or transport='mpi'")
+    elif dist.is_initialized() and (dist.get_world_size() != comm.Get_size() or dist.get_rank() != comm.Get_rank()):
+        problem = (f"torch.distributed is already initialised as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                   f"but this is MPI rank {comm.Get_rank()} of {comm.Get_size()}; initialise it with MPI's rank and "
+                   "size (or let commwire do it)")
+    problems = comm.allgather(problem)  # every rank raises together, naming each rank's problem
+    if any(problems):
+        raise (ValueError if backend not in BACKENDS else RuntimeError)(
+            "cannot start torch.distributed:\n" + "\n".join(f"  rank {r}: {p}" for r, p in enumerate(problems) if p))
+    if dist.is_initialized():
+        return
+    if "nccl" in backend:
+        local = comm.Split_type(_shared_type(), key=comm.Get_rank())
+        try:
+            torch.cuda.set_device(local.Get_rank() % torch.cuda.device_count())
+        finally:
+            local.Free()
+    if comm.Get_rank() == 0:
+        host = os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if _single_node(comm) else socket.gethostbyname(socket.gethostname()))
+        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else _free_port(host)
+        address: tuple[str, int] | None = (host, port)
+    else:
+        address = None
+        _single_node(comm)
+    host, port = comm.bcast(address, root=0)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), **kwargs)
+
+
+def _shared_type() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
+
+
+def _single_node(comm: Any) -> bool:
+    local = comm.Split_type(_shared_type(), key=comm.Get_rank())
+    try:
+        return bool(local.Get_size() == comm.Get_size())
+    finally:
+        local.Free()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def process_group_ranks(pg: Any) -> list[int]:
+    """Return the global ranks of process group ``pg`` in its rank order."""
+    import torch.distributed as dist
+
+    return [int(r) for r in dist.get_process_group_ranks(pg)]
+
+
+def _device_backends(pg: Any) -> dict[str, str]:
+    """Return {device type: backend name} of process group ``pg``."""
+    import torch.distributed as dist
+
+    name = str(dist.get_backend(pg))
+    if ":" in name:
+        return dict(part.split(":", 1) for part in name.split(","))
+    devices = dist.Backend.backend_capability.get(name, ["cpu"])
+    return {d: name for d in devices}
+
+
+class _TorchOp:
+    """How one (operation, dtype) reduces on torch: the ReduceOp and the exact conversion around it."""
+
+    __slots__ = ("op", "how", "wide")
+
+    def __init__(self, op: Any, how: str, wide: Any = None) -> None:
+        self.op, self.how, self.wide = op, how, wide
+
+
+class _Request:
+    """A torch ``Work`` and what to do once it has completed (copy a padded result out, undo a conversion).
+
+    ``pollable`` is False for works whose ``is_completed()`` stays False until ``wait()`` (gloo's
+    reduce-scatter, in torch 2.13): a lane waits for those without polling.
+    """
+
+    __slots__ = ("work", "after", "pollable")
+
+    def __init__(self, work: Any, after: Any = None, pollable: bool = True) -> None:
+        self.work, self.after, self.pollable = work, after, pollable
+
+
+class TorchTransport(Transport):
+    """Data over a ``torch.distributed`` process group (see the module docstring).
+
+    Args:
+        pg: the process group (``torch.distributed.group.WORLD`` or one from ``new_group``).
+        owned: whether this transport made ``pg`` (then ``free`` destroys it).
+        prefix: the start of the names of the groups derived from this one (the same on every member).
+    """
+
+    name = "torch"
+    point_to_point = False
+
+    def __init__(self, pg: Any, *, owned: bool = False, prefix: str = "commwire") -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.pg = pg
+        self.owned = owned
+        self.prefix = prefix
+        self.ranks = process_group_ranks(pg)  # global ranks, in this group's order
+        self.rank = dist.get_rank(pg)
+        self.size = len(self.ranks)
+        self.backends = _device_backends(pg)
+        self._ops: dict[tuple[str, str], _TorchOp] = {}
+
+    def __repr__(self) -> str:
+        return f"<TorchTransport rank {self.rank} of {self.size} ({self.describe()})>"
+
+    def describe(self) -> str:
+        """Return the group's backends, e.g. ``"cpu:gloo,cuda:nccl"``."""
+        return ",".join(f"{d}:{b}" for d, b in self.backends.items())
+
+    # ---------------------------------------------------------------- buffers
+    def device_buffers(self, x: Any) -> bool:
+        return self.backends.get("cuda") == "nccl"
+
+    def check_buffer(self, x: Any, device: bool) -> None:
+        """Raise a clear error if this group cannot move ``x`` (a device array if ``device``)."""
+        where = "cuda" if device else "cpu"
+        if where not in self.backends:
+            fix = ("build the group with backend='nccl' or 'cpu:gloo,cuda:nccl'" if device else
+                   "build the group with backend='gloo' or 'cpu:gloo,cuda:nccl', or move the tensor to the GPU")
+            raise TypeError(f"a {'CUDA' if device else 'CPU'} {type(x).__name__} cannot travel over this process "
+                            f"group (backends {self.describe()}): {fix}")
+        if device and self.backends["cuda"] != "nccl":
+            raise TypeError(f"a CUDA {type(x).__name__} on a process group whose CUDA backend is "
+                            f"{self.backends['cuda']!r}: use an NCCL group ('cpu:gloo,cuda:nccl'), or copy the "
+                            "tensor to the CPU")
+
+    def _t(self, buf: Any) -> Any:
+        """Return ``buf`` as a torch tensor sharing its memory."""
+        torch = self._torch
+        if isinstance(buf, np.ndarray):
+            return torch.from_numpy(buf) if buf.dtype.kind != "V" else torch.from_numpy(buf.view(np.uint8))
+        if isinstance(buf, torch.Tensor):
+            return buf
+        return torch.as_tensor(buf, device="cuda")  # cupy: through __cuda_array_interface__, no copy
+
+    # ------------------------------------------------------------- reductions
+    def reduce_op(self, op: str, dtype: np.dtype) -> _TorchOp:
+        key = (op, dtype.str)
+        found = self._ops.get(key)
+        if found is None:
+            found = self._ops[key] = self._make_op(op, np.dtype(dtype))
+        return found
+
+    def _make_op(self, op: str, dtype: np.dtype) -> _TorchOp:
+        from .reduce import work_dtype
+
+        torch, R = self._torch, self._dist.ReduceOp
+        dtype = work_dtype(dtype)
+        rop = {"sum": R.SUM, "avg": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[op]
+        if dtype.kind == "f" and op in ("min", "max"):
+            return _TorchOp(rop, "ordered")
+        if dtype in (np.dtype(np.int16), np.dtype(np.uint16)):
+            return _TorchOp(rop, "widen", torch.int32)
+        if dtype == np.dtype(np.uint32):
+            return _TorchOp(rop, "widen", torch.int64)
+        if dtype == np.dtype(np.uint64):
+            return _TorchOp(rop, "flip" if op in ("min", "max") else "signed")
+        return _TorchOp(rop, "direct")
+
+    def allreduce(self, send: Any, recv: Any, rop: _TorchOp) -> None:
+        self.wait([self._iallreduce(send, recv, rop)])
+
+    def _iallreduce(self, send: Any, recv: Any, rop: _TorchOp) -> _Request:
+        torch = self._torch
+        out = self._t(recv)
+        if send is not None:
+            out.copy_(self._t(send).reshape(out.shape))
+        how = rop.how
+        if how == "direct":
+            return _Request(self._dist.all_reduce(out, rop.op, group=self.pg, async_op=True))
+        if how == "widen":
+            work = out.to(rop.wide)
+            after = _narrow(out, work)
+        elif how == "signed":
+            work, after = out.view(torch.int64), None
+        elif how == "flip":
+            work = out.view(torch.int64)
+            work.bitwise_xor_(_SIGN64)
+            after = _flip(work)
+        else:  # ordered
+            work, after = _to_ordered(torch, out, "min" if rop.op == self._dist.ReduceOp.MIN else "max")
+        return _Request(self._dist.all_reduce(work, rop.op, group=self.pg, async_op=True), after)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: np.ndarray, rop: _TorchOp) -> None:
+        counts = [int(c) for c in counts]
+        src, out = self._t(send).reshape(-1), self._t(recv).reshape(-1)
+        if rop.how != "direct":  # rare (integer types gloo lacks, float min/max): reduce all, keep our block
+            whole = src.clone()
+            self.allreduce(None, whole, rop)
+            start = sum(counts[:self.rank])
+            out.copy_(whole[start:start + counts[self.rank]])
+            return
+        top = max(counts)
+        if all(c == top for c in counts):
+            self.wait([_Request(self._dist.reduce_scatter_tensor(out, src[:top * self.size], rop.op, group=self.pg,
+                                                                 async_op=True), pollable=False)])
+            return
+        padded = src.new_zeros(top * self.size)
+        start = 0
+        for r, c in enumerate(counts):
+            padded[r * top:r * top + c] = src[start:start + c]
+            start += c
+        mine = src.new_empty(top)
+        self.wait([_Request(self._dist.reduce_scatter_tensor(mine, padded, rop.op, group=self.pg, async_op=True),
+                            pollable=False)])
+        out.copy_(mine[:counts[self.rank]])
+
+    # ------------------------------------------------------------ data moves
+    def allgather(self, send: Any, recv: Any) -> None:
+        self.wait([self.iallgather(send, recv)])
+
+    def iallgather(self, send: Any, recv: Any) -> _Request:
+        out, src = self._t(recv).reshape(-1), self._t(send).reshape(-1)
+        return _Request(self._dist.all_gather_into_tensor(out, src, group=self.pg, async_op=True))
+
+    def allgatherv(self, send: Any, recv: Any, counts: np.ndarray) -> None:
+        self.wait([self.iallgatherv(send, recv, counts)])
+
+    def iallgatherv(self, send: Any, recv: Any, counts: Any) -> _Request:
+        """Start gathering blocks of ``counts[r]`` elements from each rank r into ``recv``, in rank order."""
+        counts = [int(c) for c in counts]
+        top = max(counts)
+        src, out = self._t(send).reshape(-1), self._t(recv).reshape(-1)
+        if all(c == top for c in counts):
+            return self.iallgather(src[:top], out)
+        padded = src.new_empty(top)
+        padded[:counts[self.rank]] = src[:counts[self.rank]]
+        every = src.new_empty(top * self.size)
+        work = self._dist.all_gather_into_tensor(every, padded, group=self.pg, async_op=True)
+
+        def unpad() -> None:
+            start = 0
+            for r, c in enumerate(counts):
+                out[start:start + c] = every[r * top:r * top + c]
+                start += c
+
+        return _Request(work, unpad)
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        t = self._t(buf)
+        self.wait([_Request(self._dist.broadcast(t, group=self.pg, group_src=root, async_op=True))])
+
+    def alltoallv(self, send: Any, send_counts: np.ndarray, recv: Any, recv_counts: np.ndarray) -> None:
+        self.wait([self.ialltoallv(send, send_counts, recv, recv_counts)])
+
+    def ialltoallv(self, send: Any, send_counts: Any, recv: Any, recv_counts: Any) -> _Request:
+        """Start sending ``send_counts[r]`` elements of ``send`` (in order) to each rank r; see ``alltoallv``."""
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        src, out = self._t(send).reshape(-1)[:sum(sc)], self._t(recv).reshape(-1)[:sum(rc)]
+        return _Request(self._dist.all_to_all_single(out, src, rc, sc, group=self.pg, async_op=True))
+
+    def alltoall_counts(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Exchange one int64 per rank pair (the row counts an ``alltoallv`` needs)."""
+        self.wait([_Request(self._dist.all_to_all_single(self._t(recv), self._t(send), group=self.pg,
+                                                         async_op=True))])
+
+    def barrier(self) -> None:
+        flag = self._torch.zeros(1, dtype=self._torch.int32)
+        if "cpu" not in self.backends:
+            flag = flag.cuda()
+        self.allreduce(None, flag, self.reduce_op("sum", np.dtype(np.int32)))
+
+    def isend(self, buf: Any, dest: int, tag: int) -> Any:
+        return _Request(self._dist.isend(self._t(buf), group=self.pg, group_dst=dest, tag=tag))
+
+    def irecv(self, buf: Any, source: int, tag: int) -> Any:
+        return _Request(self._dist.irecv(self._t(buf), group=self.pg, group_src=source, tag=tag))
+
+    def wait(self, requests: list[Any]) -> None:
+        if in_lane():  # poll and yield the CPU to the caller's computation (see handle.wait_requests)
+            spins, start = 0, time.perf_counter()
+            while not all(r.work.is_completed() for r in requests if r.pollable):
+                spins += 1
+                time.sleep(0 if spins < _YIELDS else min(_NAP, (time.perf_counter() - start) / 8))
+        for r in requests:
+            r.work.wait()  # raises the backend's error; orders the current CUDA stream after NCCL's
+            if r.after is not None:
+                r.after()
+                r.after = None
+
+    # ------------------------------------------------------------------ groups
+    def derive(self, mpi_comm: Any, ranks: list[int], uid: str = "") -> TorchTransport:
+        members = [self.ranks[r] for r in ranks]
+        backend = ",".join(f"{d}:{b}" for d, b in self.backends.items()) if len(set(self.backends.values())) > 1 \
+            else next(iter(self.backends.values()))
+        # Named by the new communicator's rank 0 and sent to its members over MPI: counters of derived
+        # communicators differ between ranks (new_group is called by its members only) and a split's
+        # parts share their uid, while a group's name keys its rendezvous in the store.
+        name = mpi_comm.bcast(f"{self.prefix}:{uid}:{uuid.uuid4().hex}" if mpi_comm.Get_rank() == 0 else None, root=0)
+        return TorchTransport(new_group(members, backend, name), owned=True, prefix=self.prefix)
+
+    def private(self) -> TorchTransport:
+        # The pipeline's collectives run inside one call of the communicator, in the same order on
+        # every rank, so the group's own sequence keeps them apart from every other collective.
+        return self
+
+    def free(self) -> None:
+        if self.owned and self._dist.is_initialized():
+            self._dist.destroy_process_group(self.pg)
+            self.owned = False
+
+
+def new_group(members: list[int], backend: str, name: str) -> Any:
+    """Return a new process group over global ranks ``members`` (in that order), called by its members only.
+
+    ``torch.distributed.new_group(use_local_synchronization=True)`` names a group after its
+    ranks, so a second group over the same ranks (a lane's, a duplicate's) fails; this makes the
+    group as ``new_group`` does, under ``name`` (the same on every member, unique in the process).
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None:  # pragma: no cover - a torch without it: one group per set of ranks
+        return dist.new_group(members, backend=backend, use_local_synchronization=True)
+    default_pg = c10d._get_default_group()
+    store = c10d._world.pg_map[default_pg][1]
+    bk = dist.Backend(backend)
+    pg, _ = helper(len(members), members.index(dist.get_rank()), members, bk, store, c10d.GroupName(name),
+                   timeout=c10d._get_default_timeout(bk), device_id=default_pg.bound_device_id)
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}
+    return pg
+
+
+_SIGN64 = -(1 << 63)
+
+
+def _narrow(out: Any, work: Any) -> Any:
+    def after() -> None:
+        out.copy_(work)  # a wrapping (two's complement) narrowing, as MPI's own overflow
+
+    return after
+
+
+def _flip(work: Any) -> Any:
+    def after() -> None:
+        work.bitwise_xor_(_SIGN64)
+
+    return after
+
+
+def _to_ordered(torch: Any, out: Any, op: str) -> tuple[Any, Any]:
+    """Return ``out`` (float32/float64) as order-preserving integers with NaN winning ``op``, and the inverse."""
+    itype, mask = (torch.int64, (1 << 63) - 1) if out.dtype == torch.float64 else (torch.int32, (1 << 31) - 1)
+    bits = out.view(itype)
+    code = torch.where(bits < 0, bits ^ mask, bits)
+    info = torch.iinfo(itype)
+    code = torch.where(torch.isnan(out), torch.full_like(code, info.min if op == "min" else info.max), code)
+
+    def after() -> None:
+        bits.copy_(torch.where(code < 0, code ^ mask, code))
+        out.masked_fill_(torch.isnan(out), float("nan"))  # the canonical quiet NaN, as numpy's minimum passes on
+
+    return code, after
