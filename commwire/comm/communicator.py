@@ -212,9 +212,7 @@ class Communicator(AgreementProtocol):
 
     def _check_transport(self, x: Any) -> None:
         """Raise a clear error if the transport cannot move ``x`` (e.g. a CUDA tensor on a gloo-only group)."""
-        check = getattr(self.transport, "check_buffer", None)
-        if check is not None:
-            check(x, arrays.is_device_array(x))
+        self.transport.check_buffer(x, arrays.is_device_array(x))
 
     def submit(self, method: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Handle:
         """Run ``method(lane_comm, *args, **kwargs)`` on this communicator's background lane; return its handle.
@@ -770,7 +768,7 @@ class _Reduction:
         self.op = normalize_op(op)
         on_device = arrays.is_device_array(x)
         self.dev: DeviceOps | None = device_ops(x) if on_device and self.op != "adasum" else None
-        self.direct = self.dev is not None and comm.transport.device_buffers(x)
+        self.direct = self.dev is not None and comm._device_direct(x)
         if self.op != "adasum":  # Adasum runs on host copies over MPI
             comm._check_transport(x)
         if self.dev is not None:
