@@ -21,7 +21,7 @@ import numpy as np
 from ._report import emit
 
 __all__ = ["NAME", "HELP", "DRIVER", "run_allreduce_bench", "format_table", "build_parser", "check_args", "main",
-           "parse_size"]
+           "parse_size", "check_sizes_and_codecs"]
 
 NAME = "allreduce"
 HELP = "plain and compressed all-reduce vs raw mpi4py Allreduce"
@@ -185,20 +185,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse a bad ``--sizes`` or ``--codec`` with a ValueError that names the option, before any rank starts."""
+def check_sizes_and_codecs(sizes: str, codecs: str, example: str = "8,64K,1M") -> None:
+    """Refuse a bad ``--sizes`` list or ``--codec`` spec list with a ValueError that names the option."""
     from ..codecs import registry
 
-    for item in filter(None, (s.strip() for s in args.sizes.split(","))):
+    for item in filter(None, (s.strip() for s in sizes.split(","))):
         try:
             parse_size(item)
         except ValueError as exc:
-            raise ValueError(f"--sizes: {exc}; give sizes of 4 bytes or more, e.g. --sizes 8,64K,1M") from None
-    for spec in filter(None, (s.strip() for s in (args.codec or "").split(","))):
+            raise ValueError(f"--sizes: {exc}; give sizes of 4 bytes or more, e.g. --sizes {example}") from None
+    for spec in filter(None, (s.strip() for s in codecs.split(","))):
         try:
             registry.get(spec)
         except ValueError as exc:
             raise ValueError(f"--codec: {exc}") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a bad ``--sizes`` or ``--codec`` with a ValueError that names the option, before any rank starts."""
+    check_sizes_and_codecs(args.sizes, args.codec or "")
 
 
 def main(argv: list[str] | None = None) -> int:

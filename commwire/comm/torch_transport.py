@@ -87,14 +87,12 @@ def init_torch_distributed(comm: Any, backend: str, timeout: Any = None) -> None
             torch.cuda.set_device(local.Get_rank() % torch.cuda.device_count())
         finally:
             local.Free()
+    single = _single_node(comm)  # collective: every rank calls it, whatever MASTER_ADDR says
+    address: tuple[str, int] | None = None
     if comm.Get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR") or (
-            "127.0.0.1" if _single_node(comm) else socket.gethostbyname(socket.gethostname()))
+        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if single else socket.gethostbyname(socket.gethostname()))
         port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else _free_port(host)
-        address: tuple[str, int] | None = (host, port)
-    else:
-        address = None
-        _single_node(comm)
+        address = (host, port)
     host, port = comm.bcast(address, root=0)
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
@@ -171,13 +169,14 @@ class TorchTransport(Transport):
     """
 
     name = "torch"
-    point_to_point = False
 
     def __init__(self, pg: Any, *, owned: bool = False, prefix: str = "commwire") -> None:
         import torch
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
+        # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.pg = pg
         self.owned = owned
         self.prefix = prefix
@@ -186,6 +185,10 @@ class TorchTransport(Transport):
         self.size = len(self.ranks)
         self.backends = _device_backends(pg)
         self._ops: dict[tuple[str, str], _TorchOp] = {}
+        # gloo moves tagged isend/irecv in its own threads: the codec pipeline posts its receives
+        # ahead and sends chunk by chunk, as over MPI. NCCL serialises a rank's point-to-point
+        # operations on one stream (unmatched orders deadlock): there it uses all-to-all and all-gather.
+        self.point_to_point = set(self.backends.values()) == {"gloo"}
 
     def __repr__(self) -> str:
         return f"<TorchTransport rank {self.rank} of {self.size} ({self.describe()})>"
@@ -298,7 +301,7 @@ class TorchTransport(Transport):
 
     def iallgather(self, send: Any, recv: Any) -> _Request:
         out, src = self._t(recv).reshape(-1), self._t(send).reshape(-1)
-        return _Request(self._dist.all_gather_into_tensor(out, src, group=self.pg, async_op=True))
+        return _Request(self._all_gather(out, src, group=self.pg, async_op=True))
 
     def allgatherv(self, send: Any, recv: Any, counts: np.ndarray) -> None:
         self.wait([self.iallgatherv(send, recv, counts)])
@@ -313,7 +316,7 @@ class TorchTransport(Transport):
         padded = src.new_empty(top)
         padded[:counts[self.rank]] = src[:counts[self.rank]]
         every = src.new_empty(top * self.size)
-        work = self._dist.all_gather_into_tensor(every, padded, group=self.pg, async_op=True)
+        work = self._all_gather(every, padded, group=self.pg, async_op=True)
 
         def unpad() -> None:
             start = 0
@@ -347,11 +350,13 @@ class TorchTransport(Transport):
             flag = flag.cuda()
         self.allreduce(None, flag, self.reduce_op("sum", np.dtype(np.int32)))
 
+    # gloo's send and receive works complete inside wait() (is_completed stays False until then):
+    # not pollable, so a lane's wait waits on them instead of polling forever.
     def isend(self, buf: Any, dest: int, tag: int) -> Any:
-        return _Request(self._dist.isend(self._t(buf), group=self.pg, group_dst=dest, tag=tag))
+        return _Request(self._dist.isend(self._t(buf), group=self.pg, group_dst=dest, tag=tag), pollable=False)
 
     def irecv(self, buf: Any, source: int, tag: int) -> Any:
-        return _Request(self._dist.irecv(self._t(buf), group=self.pg, group_src=source, tag=tag))
+        return _Request(self._dist.irecv(self._t(buf), group=self.pg, group_src=source, tag=tag), pollable=False)
 
     def wait(self, requests: list[Any]) -> None:
         if in_lane():  # poll and yield the CPU to the caller's computation (see handle.wait_requests)

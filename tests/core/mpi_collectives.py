@@ -291,3 +291,32 @@ def test_default_first_call_check_catches_a_mismatch_without_any_flag():
         WORLD.allreduce(np.ones(3 + (WORLD.rank == 1)), name="first-call-check")
     np.testing.assert_array_equal(WORLD.allreduce(np.ones(2), name="first-call-ok"), np.full(2, float(WORLD.size)))
     np.testing.assert_array_equal(WORLD.allreduce(np.ones(2), name="first-call-ok"), np.full(2, float(WORLD.size)))
+
+
+@pytest.mark.parametrize("comm_name", list(COMMS))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [(1 << 18) + 3, 3 * (1 << 18) + 1])
+def test_large_sums_blocking_async_in_place(comm_name, dtype, n):
+    # From 1 MiB the mpi transport sums floats by its own ring (commwire.comm.ring) on 3 ranks
+    # or more: against the float64 reference, the same bits on every rank, and the same
+    # result blocking, in place, averaged and on the lane.
+    from unittest import mock
+
+    from commwire.comm import transport as transport_mod
+    from commwire.comm.ring import RING_BYTES
+
+    comm = COMMS[comm_name]
+    ranks = group_ranks(comm)
+    x = data(WORLD.rank, (n,), dtype, case=7)
+    want = np.sum([data(r, (n,), dtype, case=7).astype(np.float64) for r in ranks], axis=0)
+    with mock.patch.object(transport_mod, "ring_allreduce", wraps=transport_mod.ring_allreduce) as ring:
+        got = comm.allreduce(x, name="big")
+    assert ring.called == (comm.transport.name == "mpi" and comm.size >= 3 and x.nbytes >= RING_BYTES)
+    check_close(got, want, dtype)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0.1
+    assert len(set(comm.allgather_object(got.tobytes()))) == 1  # identical on every rank
+    inplace = x.copy()
+    assert comm.allreduce(inplace, out=inplace, name="big-in-place") is inplace
+    np.testing.assert_array_equal(inplace, got)
+    np.testing.assert_array_equal(comm.allreduce_async(x, name="big-async").wait(), got)
+    check_close(comm.allreduce(x, "avg", name="big-avg"), want / comm.size, dtype)

@@ -12,3 +12,27 @@ pytest.importorskip("torch")
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_transport_suite(n):
     run_mpi_pytest(n, "tests/core/mpi_transport.py")
+
+
+RENDEZVOUS = """
+import torch, torch.distributed as dist
+from mpi4py import MPI
+from commwire.comm.torch_transport import init_torch_distributed
+init_torch_distributed(MPI.COMM_WORLD, "gloo")
+x = torch.full((3,), float(dist.get_rank() + 1))
+dist.all_reduce(x)
+seen = MPI.COMM_WORLD.gather((dist.get_rank(), dist.get_world_size(), x.tolist()))
+dist.destroy_process_group()
+if seen:
+    print("seen", seen)
+"""
+
+
+def test_rendezvous_with_master_addr():
+    # `commwire run --lab` sets MASTER_ADDR: rank 0 must still take part in every collective of the
+    # rendezvous (it once skipped one when MASTER_ADDR was set, and the job hung).
+    from mpi_helpers import run_mpi
+
+    proc = run_mpi(2, ["-c", RENDEZVOUS], timeout=120, env={"MASTER_ADDR": "127.0.0.1", "COMMWIRE_TIMEOUT": "30"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "seen [(0, 2, [3.0, 3.0, 3.0]), (1, 2, [3.0, 3.0, 3.0])]" in proc.stdout

@@ -6,7 +6,9 @@ the one backward wrote. Reference: plain DDP (its own all-reduce) on the same
 model, data and steps. With codec "none" the weights after 20 steps must equal
 plain DDP's (rtol 1e-6: DDP divides before summing, commwire after); with
 ef+fp8-e4m3 the loss must fall as plain DDP's does. torch.distributed runs gloo,
-which moves CUDA tensors too (NCCL refuses two ranks on one GPU).
+which moves CUDA tensors for DDP itself (NCCL refuses two ranks on one GPU); the
+hook reduces over MPI (``transport="mpi"``: commwire's torch transport takes CUDA
+tensors only on NCCL groups, tested in test_nccl.py with one rank per GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _train(codec, dev, steps=20):
                                 torch.nn.GELU(), torch.nn.Linear(512, 1)).to(dev)
     ddp = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, bucket_cap_mb=1)
     if codec is not None:
-        state, hook = hvd.ddp_hook(codec, model=ddp)
+        state, hook = hvd.ddp_hook(codec, model=ddp, transport="mpi")
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.02)
     g = torch.Generator(device="cpu").manual_seed(100 + hvd.rank())

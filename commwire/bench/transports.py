@@ -1,0 +1,171 @@
+"""Benchmark commwire's two transports against torch.distributed's own all_reduce, same job.
+
+For each message size, one MPI job times, on the same float32 data and interleaved
+call by call so that noise hits every arm alike:
+
+- ``torch.distributed``: ``dist.all_reduce`` of a CPU tensor on the default group (gloo) — the baseline;
+- ``commwire mpi``: ``Communicator.allreduce`` on the mpi transport (the world communicator);
+- ``commwire torch``: the same call on a communicator over torch.distributed's default group
+  (``Communicator.from_process_group``);
+- ``mpi4py Allreduce``: the MPI library's own all-reduce, for reference;
+- with ``--codec``, the compressed all-reduce on each transport.
+
+Every sample is the slowest rank's time of one call (all ranks start together after a
+barrier); the table gives the median of ``--repeats`` samples and each arm's ratio to the
+baseline (FP32 arms) or to the mpi transport's compressed all-reduce (the torch transport's
+compressed arm). Run it where the link is the bottleneck: ``commwire lab up --hosts 4`` then
+``commwire run --lab -np 4 python -m commwire.bench.transports``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ._report import emit
+from .allreduce import check_sizes_and_codecs, parse_size
+
+__all__ = ["NAME", "HELP", "DRIVER", "build_parser", "check_args", "run_transport_bench", "format_table", "main"]
+
+NAME = "transports"
+HELP = "FP32 and compressed all-reduce on the mpi and torch transports vs torch.distributed's all_reduce"
+DRIVER = False
+
+DEFAULT_SIZES = "1M,4M,16M,64M"
+
+
+def _sample(comm: Any, fn: Callable[[], Any]) -> float:
+    """Return the slowest rank's seconds for one call of ``fn`` (ranks start together)."""
+    from mpi4py import MPI
+
+    comm.mpi.Barrier()
+    start = time.perf_counter()
+    fn()
+    return float(comm.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
+
+
+def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None = "fp8-e4m3",
+                        threads: int = 1) -> list[dict[str, Any]]:
+    """Time every arm at every size; return one row per (size, arm)."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import commwire as cw
+    from commwire.comm.communicator import Communicator
+    from commwire.comm.torch_transport import init_torch_distributed
+
+    torch.set_num_threads(threads)
+    world = cw.init()  # the mpi transport unless COMMWIRE_TRANSPORT says otherwise
+    if world.transport.name != "mpi":
+        raise ValueError(f"run this benchmark with the mpi transport as the world's (COMMWIRE_TRANSPORT="
+                         f"{world.transport.name!r} is set); it builds the torch communicator itself")
+    if not dist.is_initialized():
+        init_torch_distributed(world.mpi, "gloo")
+    backend = dist.get_backend()
+    tcomm = Communicator.from_process_group(dist.group.WORLD, comm=world)
+    rows: list[dict[str, Any]] = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        rng = np.random.default_rng(world.rank)
+        x = rng.standard_normal(n).astype(np.float32)
+        out = np.empty_like(x)
+        # The FP32 arms reduce in place, as dist.all_reduce does: each its own buffer, reset to x
+        # after every sample (the sums grow by a factor of the rank count per call).
+        t, y, ty, z = torch.from_numpy(x.copy()), x.copy(), torch.from_numpy(x.copy()), x.copy()
+        t_out = torch.empty_like(t)
+        tx = torch.from_numpy(x)
+        arms: list[tuple[str, str, Callable[[], Any]]] = [
+            ("fp32", f"torch.distributed ({backend})", lambda: dist.all_reduce(t)),
+            ("fp32", "commwire mpi", lambda: world.allreduce(y, out=y, name="bench.fp32")),
+            ("fp32", f"commwire torch ({backend})", lambda: tcomm.allreduce(ty, out=ty, name="bench.fp32")),
+            ("fp32", "mpi4py Allreduce", lambda: world.mpi.Allreduce(MPI.IN_PLACE, z)),
+        ]
+
+        def reset() -> None:
+            np.copyto(y, x)
+            np.copyto(z, x)
+            t.copy_(tx)
+            ty.copy_(tx)
+
+        if codec:
+            arms += [
+                (codec, "commwire mpi", lambda: cw.allreduce(x, codec=codec, out=out, name="bench.c", comm=world)),
+                (codec, f"commwire torch ({backend})",
+                 lambda: cw.allreduce(tx, codec=codec, out=t_out, name="bench.c", comm=tcomm)),
+            ]
+        from ..codecs.collective import TUNE_CALLS
+
+        for kind, _, fn in arms:  # warm-up: connections, buffers, numba, the codec segment tuner
+            for _ in range(2 + (TUNE_CALLS if kind != "fp32" else 0)):
+                fn()
+                reset()
+        samples: list[list[float]] = [[] for _ in arms]
+        for _ in range(repeats):
+            for i, (_, _, fn) in enumerate(arms):
+                samples[i].append(_sample(world, fn))
+            reset()
+        medians = [float(np.median(s)) for s in samples]
+        for i, (kind, label, _) in enumerate(arms):
+            base = medians[0] if kind == "fp32" else medians[4]
+            rows.append({"ranks": world.size, "bytes": n * 4, "kind": kind, "arm": label,
+                         "median_ms": medians[i] * 1e3, "min_ms": min(samples[i]) * 1e3,
+                         "max_ms": max(samples[i]) * 1e3, "GBps": n * 4 / medians[i] / 1e9,
+                         "ratio": medians[i] / base,
+                         "baseline": arms[0][1] if kind == "fp32" else f"{codec} on commwire mpi"})
+    tcomm.free()
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Render the rows as a Markdown table."""
+    from .allreduce import _human
+
+    head = "| ranks | size | payload | arm | median ms | min–max ms | GB/s | ratio | vs |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} | {_human(r['bytes'])} | {r['kind']} | {r['arm']} | {r['median_ms']:.1f} | "
+                     f"{r['min_ms']:.1f}–{r['max_ms']:.1f} | {r['GBps']:.3f} | {r['ratio']:.3f} | {r['baseline']} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``commwire bench transports``."""
+    parser = argparse.ArgumentParser(prog="commwire bench transports", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes (bytes, K, M)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved samples per arm and size (median)")
+    parser.add_argument("--codec", default="fp8-e4m3", help="codec of the compressed arms ('' for none)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad ``--sizes``, ``--repeats`` or ``--codec`` before any rank starts."""
+    check_sizes_and_codecs(args.sizes, args.codec or "", example="1M,4M")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats}: give 1 or more (the table shows the median)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run on the current MPI world and print rank 0's table."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    rows = run_transport_bench(sizes, repeats=args.repeats, codec=args.codec or None, threads=args.threads)
+    import commwire as cw
+
+    emit(format_table(rows), rows, args.json_path, rank=cw.rank())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
