@@ -6,22 +6,27 @@
 #
 # Stages, each with its own timeout inside one deadline (CHECK_BUDGET seconds, default 460: the whole
 # run stays under 8 minutes on one H200); a stage that fails or times out is recorded and the next runs:
-#   setup     a venv on the machine's python3 (--system-site-packages: its CUDA torch and cupy are used
-#             as they are), commwire from this tree through a .pth file (no build, no network), and only
-#             the missing pieces installed: from PyPI when it answers, else from wheels carried in .whl/
+#   setup     the machine's python3 as it is (its CUDA torch and cupy), commwire from this tree on
+#             PYTHONPATH (no build, no network), and only the missing pieces installed into a folder of
+#             their own: from PyPI when it answers, else from wheels carried in .whl/
 #             (or $COMMWIRE_WHEELS); pyproject's extras name them: cupy-cuda12x/-cuda13x ([cuda12] /
-#             [cuda13], chosen from the driver's CUDA version), mpich ([mpich]), a CUDA torch.
+#             [cuda13], chosen from torch's CUDA version), mpich ([mpich]), a CUDA torch.
+#   ranks     mpiexec -n 2 must make one 2-rank job (another MPI's mpiexec makes two 1-rank jobs that pass
+#             vacuously); numba compiles the codec kernels once into NUMBA_CACHE_DIR for the later stages.
 #   probe     does MPI take device buffers? MPIX_Query_cuda_support, then a real Allreduce of a CUDA
 #             tensor in a subprocess (a non-CUDA-aware MPI crashes it). Sets COMMWIRE_GPU_CUDA_AWARE.
 #   tests-n1  python -m pytest tests/gpu -rs (one rank)
 #   tests-n2  mpiexec -n 2 python -m pytest tests/gpu (two ranks sharing the GPU)
+#   nccl      tests/gpu/test_nccl.py on one rank per GPU: the torch transport on NCCL (collectives against
+#             host references, the compressed all-reduce with payloads over NCCL, the DDP hook on an NCCL group)
 #   codecs    encode/decode GB/s of every codec vs a device-to-device copy (benchmarks/gpu_bench.py)
 #   allreduce FP32 vs compressed all-reduce of 64 MiB, 1 and 2 ranks on the local GPU(s)
 #   optimizer DistributedOptimizer step vs torch DDP over NCCL, same model (1 rank; 2 ranks: DDP over gloo)
 #   lab       only as root with ip, tc and network namespaces: 8 emulated hosts at 1 Gbit/s, FP32
 #             all-reduce on 2/4/8 of them, then the cost model's calibration and validation
 #             (benchmarks/calibrate.py); the lab is always taken down (trap), even on a timeout.
-# Then report.md and report.json (every stage's status, time and rows) and gpu_check.log (all output)
+# Each pytest stage's note gives every rank's pass/skip/fail counts. On the GPU machine a skipped stage
+# makes the run fail like a failed one. Then report.md and report.json (every stage's status, time and rows) and gpu_check.log (all output)
 # are written to $OUT — three files, within what a device run brings back.
 #
 # Assumptions: Linux x86-64, bash, coreutils' timeout; python3 >= 3.10 with venv; an NVIDIA driver
@@ -48,7 +53,7 @@ STAGES="$WORK/stages.tsv"
 : >"$STAGES"
 BUDGET=${CHECK_BUDGET:-460}
 START=$(date +%s)
-export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_opal_cuda_support=true
+export NUMBA_CACHE_DIR=$WORK/numba-cache PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_opal_cuda_support=true
 export COMMWIRE_TIMEOUT=${COMMWIRE_TIMEOUT:-120}  # a hung collective ends its stage with a report, not the run
 
 log() {  # inside a stage the output already goes to the log
@@ -72,11 +77,15 @@ stage() {
     local limit=$(( max < room ? max : room )) t0=$(date +%s) rc
     log "$name: start (timeout ${limit}s): $*"
     # bash -c runs exported functions too; timeout signals the whole group (mpiexec and its ranks)
-    IN_STAGE=1 timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" >>"$LOG" 2>&1
+    IN_STAGE=1 timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" >"$WORK/$name.out" 2>&1
     rc=$?
-    local took=$(( $(date +%s) - t0 )) status=ok note=""
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=timeout; note="stopped after ${limit}s"
-    elif [ "$rc" -ne 0 ]; then status=failed; note="exit $rc"; fi
+    cat "$WORK/$name.out" >>"$LOG"
+    local took=$(( $(date +%s) - t0 )) status=ok note
+    # pytest's summary line of each rank ("12 passed, 3 skipped in 4.2s"), so that skips show
+    note=$(grep -aoE '^=*[ ]*[0-9]+ (passed|failed|skipped|error)[^=]* in [0-9.]+s' "$WORK/$name.out" \
+        | sed -E 's/^=+ *//; s/ in [0-9.]+s$//' | sort | uniq -c | sed -E 's/^ *([0-9]+) /\1 rank(s): /' | paste -sd';')
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=timeout; note="stopped after ${limit}s${note:+; $note}"
+    elif [ "$rc" -ne 0 ]; then status=failed; note="exit $rc${note:+; $note}"; fi
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$took" "$note" >>"$STAGES"
     log "$name: $status ($took s) $note"
     return 0
@@ -92,33 +101,19 @@ setup() {
         "$GPU_CHECK_PYTHON" -c 'import commwire, torch, numba; from mpi4py import MPI; print(MPI.Get_library_version()[:40])'
         return
     fi
-    local base=${GPU_CHECK_BASE_PYTHON:-python3} venv=$WORK/venv py target=""
-    local base_sites
-    base_sites=$("$base" -c 'import site, sysconfig; p = sysconfig.get_paths(); print("\n".join(dict.fromkeys([p["purelib"], p["platlib"], *site.getsitepackages()])))') || return 1
-    if "$base" -m venv "$venv"; then
-        py=$venv/bin/python
-        local site
-        site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
-        echo "$REPO" >"$site/00-commwire-checkout.pth"  # commwire from this tree, no build step
-        # The base python may itself be a venv (the CUDA image's is): reuse its packages (torch, cupy, ...)
-        # by path; packages installed here come first.
-        echo "$base_sites" >"$site/zz-base-python.pth"
-        echo "export PATH=\"$venv/bin:\$PATH\"" >"$WORK/env"
-    else  # no venv module: the base python, with installs in a folder of their own
-        py=$base
-        target=$WORK/site
-        mkdir -p "$target"
-        echo "export PYTHONPATH=\"$REPO:$target\${PYTHONPATH:+:\$PYTHONPATH}\" PATH=\"$target/bin:\$PATH\"" >"$WORK/env"
-    fi
+    # The base interpreter itself, commwire from this tree and missing pieces in a folder of their own
+    # on PYTHONPATH: a venv would hide the base site-packages from libraries that look for their CUDA
+    # libraries there (cupy, numba find the nvidia-* wheels through site.getsitepackages()).
+    local py=${GPU_CHECK_BASE_PYTHON:-python3} target=$WORK/site
+    mkdir -p "$target"
+    echo "export PYTHONPATH=\"$REPO:$target\${PYTHONPATH:+:\$PYTHONPATH}\" PATH=\"$target/bin:\$PATH\"" >"$WORK/env"
     echo "$py" >"$WORK/python"
     . "$WORK/env"
     local wheels=${COMMWIRE_WHEELS:-$REPO/.whl} online=0 cuda_major=13
     if timeout 20 "$py" -m pip download -q --no-deps -d "$WORK/probe" click >/dev/null 2>&1; then online=1; fi
     log "setup: PyPI reachable: $online; carried wheels: $(ls "$wheels"/*.whl 2>/dev/null | wc -l)"
-    if command -v nvidia-smi >/dev/null; then
-        cuda_major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
-        cuda_major=${cuda_major:-13}
-    fi
+    # cupy must match the CUDA that torch was built for (nvidia-smi shows the driver's maximum instead)
+    cuda_major=$("$py" -c 'import torch; print((torch.version.cuda or "13").split(".")[0])' 2>/dev/null || echo 13)
     local need=()
     "$py" -c 'import numpy, ml_dtypes, numba, click' 2>/dev/null || need+=(numpy ml_dtypes numba click)
     "$py" -c 'import pytest' 2>/dev/null || need+=(pytest)
@@ -129,8 +124,7 @@ setup() {
     if ! "$py" -c 'from mpi4py import MPI' 2>/dev/null || ! command -v mpiexec >/dev/null; then need+=(mpich); fi
     if [ "${#need[@]}" -gt 0 ]; then
         log "setup: installing ${need[*]}"
-        local into=()
-        [ -n "$target" ] && into=(--target "$target")
+        local into=(--target "$target")
         if ls "$wheels"/*.whl >/dev/null 2>&1; then
             "$py" -m pip install -q --no-index --find-links "$wheels" "${into[@]}" "${need[@]}" \
                 || "$py" -m pip install -q --no-index --no-deps "${into[@]}" "$wheels"/*.whl || true
@@ -141,6 +135,24 @@ setup() {
     fi
     "$py" -c 'import commwire, torch, numba, ml_dtypes; from mpi4py import MPI; print("commwire", commwire.__file__, "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), MPI.Get_library_version()[:60])'
     command -v mpiexec
+}
+
+# ------------------------------------------------------------------ ranks
+ranks() {
+    local sizes
+    # Another MPI's mpiexec on the PATH starts N size-1 jobs that pass every test vacuously.
+    sizes=$(timeout 60 mpiexec -n 2 "$PY" -c 'from mpi4py import MPI
+c = MPI.COMM_WORLD
+n = c.allreduce(1)
+if c.Get_rank() == 0:
+    print("ranks", c.Get_size(), n)' | paste -sd' ')
+    log "ranks: mpiexec -n 2 gave: $sizes"
+    [ "$sizes" = "ranks 2 2" ] || { log "ranks: mpiexec -n 2 did not make one 2-rank job (mpiexec from another MPI than mpi4py's?)"; return 1; }
+    # numba compiles the codec kernels once, here, into a cache the later stages reuse
+    "$PY" -c 'import numpy as np; from commwire.codecs import get
+for spec in ("fp8-e4m3", "fp8-e5m2:block=128", "nvfp4", "ef+nvfp4:sr", "bf16", "hadamard+fp8-e4m3"):
+    c = get(spec); c.decode(c.encode(np.ones(4096, np.float32)))
+print("numba kernels compiled")'
 }
 
 # ------------------------------------------------------------------ probe
@@ -171,8 +183,15 @@ EOF
 lab_possible() {  # prints why not, and fails, when the lab stage cannot run here
     [ "$(id -u)" = 0 ] || { echo "needs root"; return 1; }
     command -v ip >/dev/null && command -v tc >/dev/null || { echo "needs ip and tc"; return 1; }
-    ip netns add cw-gpucheck-probe 2>/dev/null || { echo "cannot create network namespaces"; return 1; }
-    ip netns del cw-gpucheck-probe
+    [ "$(left)" -ge 130 ] || { echo "only $(left)s left of the budget (the lab stage needs 130)"; return 1; }
+    local ns=cw-gpucheck-probe why=""
+    ip netns add $ns 2>/dev/null || { echo "cannot create network namespaces"; return 1; }
+    ip netns exec $ns ip link add cwp0 type veth peer name cwp1 2>/dev/null || why="cannot create veth pairs"
+    [ -z "$why" ] && { ip netns exec $ns ip link add cwpbr type bridge 2>/dev/null || why="cannot create bridges"; }
+    [ -z "$why" ] && { ip netns exec $ns ip link set cwp0 up && ip netns exec $ns tc qdisc add dev cwp0 root tbf \
+        rate 1gbit burst 256kb latency 50ms 2>/dev/null || why="cannot shape links with tc tbf"; }
+    ip netns del $ns
+    [ -z "$why" ] || { echo "$why"; return 1; }
     if "$PY" -m commwire lab status 2>/dev/null | grep -q '^lab up'; then
         echo "a lab is already up here (someone else's?): not touching it"
         return 1
@@ -200,7 +219,7 @@ EOF
 
 # ------------------------------------------------------------------ run
 export REPO WORK LOG STAGES START BUDGET
-export -f log left setup probe lab
+export -f log left setup ranks probe lab
 LAB_UP=0
 trap '[ "$LAB_UP" = 1 ] && "$PY" -m commwire lab down >>"$LOG" 2>&1; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/parts"
@@ -210,6 +229,7 @@ PY=$(cat "$WORK/python" 2>/dev/null || echo python3)
 [ -f "$WORK/env" ] && . "$WORK/env"
 [ -n "${GPU_CHECK_PYTHON:-}" ] && export PATH="$(dirname "$GPU_CHECK_PYTHON"):$PATH"
 export PY
+stage ranks 150 ranks
 if [ "$MODE" = gpu ]; then
     stage probe 60 probe
     CUDA_AWARE=$(cat "$WORK/cuda_aware" 2>/dev/null || echo 0)
@@ -226,9 +246,14 @@ else
     BENCH_CPU=(--cpu)
     OPT=(--layers 2 --width 128 --batch 16)
 fi
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs tests/gpu)
-stage tests-n1 130 "${PYTEST[@]}"
-stage tests-n2 100 mpiexec -n 2 "${PYTEST[@]}"
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs)
+stage tests-n1 130 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_nccl.py
+stage tests-n2 100 mpiexec -n 2 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_nccl.py
+# The torch transport on NCCL: collectives against host references, the compressed all-reduce (payloads
+# over NCCL), the DDP hook on an NCCL group. NCCL takes one GPU per rank: one rank per device.
+GPUS=1
+[ "$MODE" = gpu ] && GPUS=$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)
+stage nccl 90 mpiexec -n "$GPUS" "${PYTEST[@]}" tests/gpu/test_nccl.py
 BENCH=("$PY" benchmarks/gpu_bench.py)
 stage codecs 40 "${BENCH[@]}" codecs "${BENCH_CPU[@]}" --mib "$CODEC_MIB" --budget 0.3 --json "$WORK/parts/codecs.json"
 stage allreduce-n1 30 mpiexec -n 1 "${BENCH[@]}" allreduce "${BENCH_CPU[@]}" --mib "$MIB" --budget 0.5 \
@@ -254,4 +279,8 @@ fi
     || log "report: failed (see the log)"
 cp "$WORK/parts/report.md" "$WORK/parts/report.json" "$OUT_DIR/" 2>/dev/null
 log "done in $(( $(date +%s) - START ))s: $OUT_DIR/report.md"
-! grep -qE $'\t(failed|timeout)\t' "$STAGES"
+if [ "$MODE" = gpu ]; then
+    ! grep -qE $'\t(failed|timeout|skipped)\t' "$STAGES"  # a skipped stage is not a pass
+else
+    ! grep -qE $'\t(failed|timeout)\t' "$STAGES"
+fi

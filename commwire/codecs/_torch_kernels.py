@@ -111,9 +111,21 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return _finite_abs(x).amax()
 
 
+def divide(x: torch.Tensor, number: float) -> torch.Tensor:
+    """Return ``x / number`` by IEEE division on every device.
+
+    On CUDA, torch divides a tensor by a Python number (a CPU scalar) as a multiplication by
+    its reciprocal, which differs from division in the last bit for about half of all float32
+    inputs when the number is 6, 448 or 57344; a 0-d tensor on x's device is divided by truly,
+    as numpy and the CPU kernels do. Every division of a tensor in these kernels goes through
+    here (tests/codecs/test_formats.py runs them with CUDA's reciprocal emulated).
+    """
+    return x / torch.full((), number, dtype=x.dtype, device=x.device)
+
+
 def tensor_scale(amax_value: torch.Tensor, divisor: float, floor: float) -> torch.Tensor:
     """Return max(amax / divisor, floor) in float32 (the floor keeps 1/scale finite)."""
-    return torch.clamp(amax_value / divisor, min=floor).to(torch.float32)
+    return torch.clamp(divide(amax_value, divisor), min=floor).to(torch.float32)
 
 
 def put_f32(out: torch.Tensor, values: torch.Tensor) -> None:
@@ -141,7 +153,7 @@ def encode_blocks(x, out, scales, block, params, max_finite, floor, *, sr=False,
     """Write per-block scales (max(block amax / max_finite, floor)) and 8-bit codes."""
     n = x.numel()
     xb = _blocks(x, block)
-    s = torch.clamp(_finite_abs(xb).amax(dim=1) / float(max_finite), min=float(floor)).to(torch.float32)
+    s = torch.clamp(divide(_finite_abs(xb).amax(dim=1), float(max_finite)), min=float(floor)).to(torch.float32)
     scales.copy_(s)
     inv = (1.0 / s)[:, None]
     out.copy_(_codes(xb * inv, params, sr, stream).reshape(-1)[:n].to(torch.uint8))
@@ -192,7 +204,7 @@ def nvfp4_encode(x, packed, scodes, sg, p8, p4, lut8, *, sr=False, stream=0) -> 
     xb = _blocks(x, 16)
     m_all = xb.abs().amax(dim=1)
     m_fin = _finite_abs(xb).amax(dim=1)
-    code = _codes_rne((m_fin / 6.0) / sg, p8)
+    code = _codes_rne(divide(m_fin, 6.0) / sg, p8)
     # Guard: a scale that underflows E4M3 would zero a non-zero block.
     code = torch.where((code == 0) & (m_fin > 0), 1, code)
     # E2M1 has no NaN/Inf: a non-finite block gets the E4M3 NaN scale instead.

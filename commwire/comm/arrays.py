@@ -503,7 +503,9 @@ class _TorchOps(DeviceOps):
         return flat if flat.dtype == self.lib.uint8 else flat.view(self.lib.uint8)
 
     def divide_(self, x: Any, size: int) -> Any:
-        return x.div_(size)
+        # By a 0-d tensor on x's device: CUDA divides by a Python number as a multiplication by its
+        # reciprocal (not bit-identical to the host path's division at sizes that are not powers of two).
+        return x.div_(self.lib.full((), size, dtype=x.dtype, device=x.device))
 
     def copy_into(self, out: Any, result: Any) -> None:
         out.copy_(result.reshape(out.shape))

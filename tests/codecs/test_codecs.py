@@ -209,6 +209,67 @@ def test_torch_bytes_equal_numpy_bytes(spec):
             np.testing.assert_array_equal(yb.numpy(), ya)
 
 
+@pytest.fixture
+def cuda_scalar_division(monkeypatch):
+    """Make CPU torch divide a tensor by a Python number as CUDA does: times the float32 reciprocal.
+
+    (torch's CUDA div_true kernel turns a CPU-scalar divisor into ``x * (1 / b)``.) Kernels that
+    divide by Python numbers then stop matching the numpy path, as they would on a GPU.
+    """
+    true_div, true_div_ = torch.Tensor.__truediv__, torch.Tensor.div_
+    calls = []
+
+    def as_cuda(x, other):
+        if isinstance(other, (int, float)) and not isinstance(other, bool) and x.is_floating_point():
+            calls.append(other)
+            inv = np.float32(1.0) / np.float32(other)
+            return x * torch.full((), float(inv), dtype=x.dtype)
+        return None
+
+    def truediv(x, other):
+        got = as_cuda(x, other)
+        return true_div(x, other) if got is None else got
+
+    def div_(x, other, *args, **kwargs):
+        got = None if args or kwargs else as_cuda(x, other)
+        return true_div_(x, other, *args, **kwargs) if got is None else x.copy_(got)
+
+    monkeypatch.setattr(torch.Tensor, "__truediv__", truediv)
+    monkeypatch.setattr(torch.Tensor, "div_", div_)
+    return calls
+
+
+def test_cuda_reciprocal_emulation_changes_results(cuda_scalar_division):
+    # The fixture must bite: x / 448 and x * (1/448) differ for many float32 x.
+    x = torch.from_numpy(np.abs(gauss(4096, seed=1)) * 100)
+    emulated = (x / 448.0).numpy()
+    assert cuda_scalar_division == [448.0]
+    exact = x.numpy() / np.float32(448.0)
+    assert (emulated != exact).mean() > 0.2
+
+
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "fp8-e5m2:block=7", "fp8-e4m3:block=32", "nvfp4", "ef+nvfp4"])
+def test_torch_kernels_divide_truly_where_cuda_takes_reciprocals(spec, cuda_scalar_division):
+    # The device kernels must not divide a tensor by a Python number: on CUDA that is a multiply
+    # by the reciprocal, and the scales written into the payload would differ from the host's.
+    for seed in range(4):
+        x = gauss(4099, seed=seed) * np.float32(3.7 ** seed)
+        a, b = codecs.get(spec), codecs.get(spec)
+        pa, pb = a.encode(x, key="t"), b.encode(torch.from_numpy(x), key="t")
+        np.testing.assert_array_equal(pb.data.numpy(), pa.data)
+        np.testing.assert_array_equal(b.decode(pb).numpy(), a.decode(pa))
+    assert not cuda_scalar_division, f"a kernel divided a tensor by Python numbers {cuda_scalar_division[:3]}"
+
+
+def test_device_average_divides_truly(cuda_scalar_division):
+    from commwire.comm.arrays import device_ops
+
+    x = torch.from_numpy(np.abs(gauss(4096, seed=2)) * 100)
+    got = device_ops(x).divide_(x.clone(), 3)
+    np.testing.assert_array_equal(got.numpy(), x.numpy() / np.float32(3))
+    assert not cuda_scalar_division
+
+
 def test_torch_bfloat16_round_trip():
     x = torch.randn(4, 33, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     codec = codecs.get("nvfp4")

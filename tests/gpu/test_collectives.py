@@ -87,9 +87,11 @@ def skip_unsupported(kind: str, dtype: str) -> None:
 @pytest.mark.parametrize("op", ["sum", "avg", "min", "max"])
 def test_allreduce(comm, kind, dtype, op):
     skip_unsupported(kind, dtype)
-    if op == "avg" and dtype.startswith(("int", "uint")):
-        return  # refused on every path (tests/core)
     name = f"ar.{next(_names)}"
+    if op == "avg" and dtype.startswith(("int", "uint")):  # refused on the device too, on every rank
+        with pytest.raises(TypeError, match="would truncate"):
+            comm.allreduce(on_device(data(R, (15,), dtype), kind), op, name=name)
+        return
     for n in (15, size(300_000)):  # the flag fused into the buffer / beside the data
         want = REFERENCE[op](np.stack([data(r, (n,), dtype).astype(np.float64) for r in range(P)]), axis=0)
         for _ in range(2):  # first call (exchange), then steady state
