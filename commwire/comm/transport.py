@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from .handle import wait_requests
-from .ring import ring_allreduce, uses_ring
+from . import ring as ring_mod
+from .ring import ring_allreduce, spans_nodes, uses_ring
 
 __all__ = ["Transport", "MPITransport", "TRANSPORTS"]
 
@@ -157,6 +158,7 @@ class MPITransport(Transport):
         self.cuda_aware = cuda_aware
         self.owned = False  # a private duplicate (``private``): freed with the transport
         self._in_place = MPI.IN_PLACE
+        self._spans: bool | None = None  # whether the ranks span nodes (asked at the first large float sum)
 
     def __repr__(self) -> str:
         return f"<MPITransport rank {self.rank} of {self.size}>"
@@ -180,12 +182,18 @@ class MPITransport(Transport):
 
     def allreduce(self, send: Any, recv: Any, rop: Any) -> None:
         mpi = self.mpi
-        if uses_ring(self.size, recv, rop == self._MPI.SUM):  # large float sums: see commwire.comm.ring
+        if uses_ring(self.size, recv, rop == self._MPI.SUM) and self._ring_here():  # see commwire.comm.ring
             if send is not None:
                 np.copyto(recv.reshape(-1), np.asarray(send).reshape(-1))
             ring_allreduce(mpi, recv, wait_requests if self.lane else self._MPI.Request.Waitall)
             return
         self._run(mpi.Allreduce, mpi.Iallreduce, self._in_place if send is None else send, recv, rop)
+
+    def _ring_here(self) -> bool:
+        # Asked by every rank in the same all-reduce (a collective on the first call), then remembered.
+        if self._spans is None:
+            self._spans = spans_nodes(self.mpi)
+        return self._spans or ring_mod.ONE_NODE
 
     def allgather(self, send: Any, recv: Any) -> None:
         self._run(self.mpi.Allgather, self.mpi.Iallgather, send, recv)
