@@ -109,8 +109,9 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
                 samples[i].append(_sample(world, fn))
             reset()
         medians = [float(np.median(s)) for s in samples]
+        fp32_arms = sum(kind == "fp32" for kind, _, _ in arms)  # the codec arms follow, the mpi transport's first
         for i, (kind, label, _) in enumerate(arms):
-            base = medians[0] if kind == "fp32" else medians[4]
+            base = medians[0] if kind == "fp32" else medians[fp32_arms]
             rows.append({"ranks": world.size, "bytes": n * 4, "kind": kind, "arm": label,
                          "median_ms": medians[i] * 1e3, "min_ms": min(samples[i]) * 1e3,
                          "max_ms": max(samples[i]) * 1e3, "GBps": n * 4 / medians[i] / 1e9,

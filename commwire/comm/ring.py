@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["RING_BYTES", "SEGMENTS", "ONE_NODE", "ring_allreduce", "spans_nodes", "uses_ring"]
+__all__ = ["RING_BYTES", "SEGMENTS", "ONE_NODE", "ring_allreduce", "uses_ring"]
 
 RING_BYTES = 1 << 20
 """Sums of float arrays from this many bytes, on 3 ranks or more spread over nodes, take the ring."""
@@ -31,21 +31,13 @@ ONE_NODE = False
 faster there: 1.2x against the ring's 1.5x of raw time at 1 MiB, 4 ranks on 2 cores); tests set it."""
 
 
-def uses_ring(size: int, recv: Any, sum_op: bool) -> bool:
-    """Return whether an all-reduce into host buffer ``recv`` over ``size`` ranks may take the ring."""
-    return (sum_op and size >= 3 and type(recv) is np.ndarray and recv.dtype.kind == "f"
-            and recv.nbytes >= RING_BYTES and recv.flags.c_contiguous)
+def uses_ring(size: int, recv: Any, rop: Any, sum_op: Any) -> bool:
+    """Return whether an all-reduce by op ``rop`` into host buffer ``recv`` over ``size`` ranks may take the ring.
 
-
-def spans_nodes(mpi: Any) -> bool:
-    """Return whether the ranks of ``mpi`` do not all share one node's memory (collective)."""
-    from mpi4py import MPI
-
-    local = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
-    try:
-        return bool(local.Get_size() < mpi.Get_size())
-    finally:
-        local.Free()
+    The cheap tests come first: every all-reduce of the mpi transport, the smallest included, asks.
+    """
+    return (type(recv) is np.ndarray and recv.nbytes >= RING_BYTES and size >= 3 and recv.dtype.kind == "f"
+            and recv.flags.c_contiguous and rop == sum_op)
 
 
 def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None]) -> None:

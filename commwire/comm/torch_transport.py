@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .handle import in_lane
-from .transport import Transport
+from .transport import Transport, spans_nodes
 
 __all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "BACKENDS"]
 
@@ -87,7 +87,7 @@ def init_torch_distributed(comm: Any, backend: str, timeout: Any = None) -> None
             torch.cuda.set_device(local.Get_rank() % torch.cuda.device_count())
         finally:
             local.Free()
-    single = _single_node(comm)  # collective: every rank calls it, whatever MASTER_ADDR says
+    single = not spans_nodes(comm)  # collective: every rank calls it, whatever MASTER_ADDR says
     address: tuple[str, int] | None = None
     if comm.Get_rank() == 0:
         host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if single else socket.gethostbyname(socket.gethostname()))
@@ -103,14 +103,6 @@ def _shared_type() -> Any:
     from mpi4py import MPI
 
     return MPI.COMM_TYPE_SHARED
-
-
-def _single_node(comm: Any) -> bool:
-    local = comm.Split_type(_shared_type(), key=comm.Get_rank())
-    try:
-        return bool(local.Get_size() == comm.Get_size())
-    finally:
-        local.Free()
 
 
 def _free_port(host: str) -> int:

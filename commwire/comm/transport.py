@@ -26,11 +26,23 @@ from typing import Any
 
 import numpy as np
 
-from .handle import wait_requests
 from . import ring as ring_mod
-from .ring import ring_allreduce, spans_nodes, uses_ring
+from .handle import wait_requests
+from .ring import ring_allreduce, uses_ring
 
-__all__ = ["Transport", "MPITransport", "TRANSPORTS"]
+__all__ = ["Transport", "MPITransport", "TRANSPORTS", "spans_nodes"]
+
+
+def spans_nodes(mpi: Any) -> bool:
+    """Return whether the ranks of mpi4py communicator ``mpi`` do not all share one node's memory (collective)."""
+    from mpi4py import MPI
+
+    local = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
+    try:
+        return bool(local.Get_size() < mpi.Get_size())
+    finally:
+        local.Free()
+
 
 TRANSPORTS = ("mpi", "torch")
 """The transports ``commwire.init(transport=...)`` and COMMWIRE_TRANSPORT accept."""
@@ -182,7 +194,7 @@ class MPITransport(Transport):
 
     def allreduce(self, send: Any, recv: Any, rop: Any) -> None:
         mpi = self.mpi
-        if uses_ring(self.size, recv, rop == self._MPI.SUM) and self._ring_here():  # see commwire.comm.ring
+        if uses_ring(self.size, recv, rop, self._MPI.SUM) and self._ring_here():  # see commwire.comm.ring
             if send is not None:
                 np.copyto(recv.reshape(-1), np.asarray(send).reshape(-1))
             ring_allreduce(mpi, recv, wait_requests if self.lane else self._MPI.Request.Waitall)
