@@ -64,6 +64,7 @@ __all__ = [
     "new_group",
     "rank",
     "reduce_scatter",
+    "reduce_scatter_async",
     "size",
     "stats",
     "thread_level",
@@ -114,14 +115,29 @@ def allreduce_async(
     return compressed_allreduce_async(default_comm(comm), x, op, codec=codec, out=out, name=name)
 
 
-def allgather(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Any:
-    """Concatenate every rank's ``x`` along the first dimension (sizes may differ)."""
-    return default_comm(comm).allgather(x, name=name)
+def allgather(x: Any, *, codec: Any = None, counts: Any = None, name: str | None = None,
+              comm: Communicator | None = None) -> Any:
+    """Concatenate every rank's ``x`` along the first dimension (sizes may differ).
+
+    With ``codec`` (e.g. "fp8-e4m3") each rank's rows travel encoded and every rank decodes
+    every payload (``commwire.codecs.sharded.compressed_allgather``); ``counts`` (every
+    rank's rows, the same list everywhere) saves the exchange of sizes.
+    """
+    if codec is None or codec == "none":
+        return default_comm(comm).allgather(x, name=name)
+    from .codecs.sharded import compressed_allgather
+
+    return compressed_allgather(default_comm(comm), x, codec=codec, counts=counts, name=name)
 
 
-def allgather_async(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Handle:
-    """Start an all-gather; ``wait()`` on the handle gives the concatenation."""
-    return default_comm(comm).allgather_async(x, name=name)
+def allgather_async(x: Any, *, codec: Any = None, counts: Any = None, name: str | None = None,
+                    comm: Communicator | None = None) -> Handle:
+    """Start an all-gather (optionally compressed); ``wait()`` on the handle gives the concatenation."""
+    if codec is None or codec == "none":
+        return default_comm(comm).allgather_async(x, name=name)
+    from .codecs.sharded import compressed_allgather_async
+
+    return compressed_allgather_async(default_comm(comm), x, codec=codec, counts=counts, name=name)
 
 
 def broadcast(x: Any, root: int = 0, *, out: Any = None, name: str | None = None,
@@ -136,9 +152,29 @@ def broadcast_async(x: Any, root: int = 0, *, out: Any = None, name: str | None 
     return default_comm(comm).broadcast_async(x, root, out=out, name=name)
 
 
-def reduce_scatter(x: Any, op: str = "sum", *, name: str | None = None, comm: Communicator | None = None) -> Any:
-    """Reduce ``x`` over ranks and return this rank's block of rows."""
-    return default_comm(comm).reduce_scatter(x, op, name=name)
+def reduce_scatter(x: Any, op: str = "sum", *, codec: Any = None, counts: Any = None, name: str | None = None,
+                   comm: Communicator | None = None) -> Any:
+    """Reduce ``x`` over ranks and return this rank's block of rows.
+
+    ``counts`` gives each rank's rows (default ``numpy.array_split``'s rule). With ``codec``
+    (e.g. "ef+fp8-e4m3") each rank sends its peers' blocks encoded and the owner sums them
+    in FP32 (``commwire.codecs.sharded.compressed_reduce_scatter``).
+    """
+    if codec is None or codec == "none":
+        return default_comm(comm).reduce_scatter(x, op, name=name, counts=counts)
+    from .codecs.sharded import compressed_reduce_scatter
+
+    return compressed_reduce_scatter(default_comm(comm), x, op, codec=codec, counts=counts, name=name)
+
+
+def reduce_scatter_async(x: Any, op: str = "sum", *, codec: Any = None, counts: Any = None, name: str | None = None,
+                         comm: Communicator | None = None) -> Handle:
+    """Start a reduce-scatter (optionally compressed); ``wait()`` on the handle gives this rank's block."""
+    if codec is None or codec == "none":
+        return default_comm(comm).reduce_scatter_async(x, op, name=name, counts=counts)
+    from .codecs.sharded import compressed_reduce_scatter_async
+
+    return compressed_reduce_scatter_async(default_comm(comm), x, op, codec=codec, counts=counts, name=name)
 
 
 def alltoall(x: Any, *, name: str | None = None, comm: Communicator | None = None) -> Any:

@@ -241,6 +241,16 @@ class MPITransport(Transport):
     def iallgather(self, send: Any, recv: Any) -> Any:
         return self.mpi.Iallgather(send, recv)
 
+    def iallgatherv(self, send: Any, recv: Any, counts: Any) -> Any:
+        counts = np.asarray(counts, dtype=np.int64)
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        return self.mpi.Iallgatherv(send, [recv, (counts, displs), self._MPI.BYTE])
+
+    def ialltoallv(self, send: Any, send_counts: Any, recv: Any, recv_counts: Any) -> Any:
+        sc, rc = np.asarray(send_counts, dtype=np.int64), np.asarray(recv_counts, dtype=np.int64)
+        sd, rd = np.concatenate(([0], np.cumsum(sc)[:-1])), np.concatenate(([0], np.cumsum(rc)[:-1]))
+        return self.mpi.Ialltoallv([send, (sc, sd), self._MPI.BYTE], [recv, (rc, rd), self._MPI.BYTE])
+
     def wait(self, requests: list[Any]) -> None:
         wait_requests(requests)
 
