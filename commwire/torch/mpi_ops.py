@@ -387,14 +387,26 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 # --------------------------------------------------------------------------- allgather
 @torch.no_grad()
-def _allgather_on(comm: Communicator, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def _allgather_on(comm: Communicator, tensor: torch.Tensor, codec: Any = None, compressor: Any = None,
+                  name: str | None = None) -> torch.Tensor:
+    if compressor is not None:
+        x, ctx = compressor.compress(tensor.detach())
+        return compressor.decompress(comm.allgather(x, name=name), ctx)
+    if codec is not None:  # each rank's rows encoded once; every rank decodes all (commwire.codecs.sharded)
+        from ..codecs.sharded import compressed_allgather
+
+        return compressed_allgather(comm, tensor.detach(), codec=codec, name=name)
     return comm.allgather(tensor.detach(), name=name)
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: Any = global_process_set) -> HorovodHandle:
-    """Start an all-gather (concatenation along dimension 0; first dimensions may differ)."""
-    return _submit(process_set, _allgather_on, tensor, name=name)
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set,
+                    compression: Any = Compression.none) -> HorovodHandle:
+    """Start an all-gather (concatenation along dimension 0; first dimensions may differ).
+
+    ``compression`` (commwire's extension): a Compressor or a codec spec such as ``"fp8-e4m3"``.
+    """
+    codec, compressor = resolve(compression)
+    return _submit(process_set, _allgather_on, tensor, codec, compressor, name=name)
 
 
 def _rows_before(first_dim: int, process_set: Any) -> int:
@@ -405,27 +417,41 @@ def _rows_before(first_dim: int, process_set: Any) -> int:
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any, codec: Any,
+                compressor: Any) -> torch.Tensor:
         ctx.shape, ctx.process_set = tensor.shape, process_set
-        return _call(process_set, _allgather_on, tensor, name=name)
+        return _call(process_set, _allgather_on, tensor, codec, compressor, name=name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = _call(ctx.process_set, _allreduce_on, grad.contiguous(), Average, 1.0, 1.0)
         rows = int(ctx.shape[0]) if len(ctx.shape) else 1
         offset = _rows_before(rows, ctx.process_set)
-        return reduced.narrow(0, offset, rows).reshape(ctx.shape), None, None
+        return reduced.narrow(0, offset, rows).reshape(ctx.shape), None, None, None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
-    """Return every member's ``tensor`` concatenated along dimension 0; differentiable."""
-    return _Allgather.apply(tensor, name, process_set)
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set,
+              compression: Any = Compression.none) -> torch.Tensor:
+    """Return every member's ``tensor`` concatenated along dimension 0; differentiable.
+
+    ``compression`` (commwire's extension): a Compressor or a codec spec such as ``"fp8-e4m3"``
+    (every rank then holds the same decoded values, its own rows included).
+    """
+    codec, compressor = resolve(compression)
+    return _Allgather.apply(tensor, name, process_set, codec, compressor)
 
 
 @torch.no_grad()
-def _grouped_allgather_on(comm: Communicator, tensors: Sequence[torch.Tensor],
-                          name: str | None = None) -> list[torch.Tensor]:
+def _grouped_allgather_on(comm: Communicator, tensors: Sequence[torch.Tensor], codec: Any = None,
+                          compressor: Any = None, name: str | None = None) -> list[torch.Tensor]:
     """Gather several tensors in two collectives: their row counts and shapes, then all bytes fused."""
+    if compressor is not None:
+        pairs = [compressor.compress(t.detach()) for t in tensors]
+        gathered = _grouped_allgather_on(comm, [p[0] for p in pairs], name=name)
+        return [compressor.decompress(g, ctx) for g, (_, ctx) in zip(gathered, pairs)]
+    if codec is not None:  # one compressed all-gather per tensor: each carries its own scales
+        return [_allgather_on(comm, t, codec, name=None if name is None else f"{name}.{i}")
+                for i, t in enumerate(tensors)]
     tensors = [t.detach().contiguous() for t in tensors]
     meta = torch.tensor([[t.shape[0] if t.dim() else 1, _row_elems(t), t.element_size()] for t in tensors],
                         dtype=torch.int64).reshape(-1, 3)
@@ -452,16 +478,19 @@ def _row_elems(t: torch.Tensor) -> int:
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: Any = global_process_set) -> HorovodHandle:
+                            process_set: Any = global_process_set, compression: Any = Compression.none
+                            ) -> HorovodHandle:
     """Start a fused all-gather of ``tensors``; ``synchronize`` gives a list of tensors."""
-    return _submit(process_set, _grouped_allgather_on, list(tensors), name=name)
+    codec, compressor = resolve(compression)
+    return _submit(process_set, _grouped_allgather_on, list(tensors), codec, compressor, name=name)
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, name: str | None, process_set: Any, codec: Any, compressor: Any,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.dims, ctx.process_set = [int(t.shape[0]) for t in tensors], process_set
-        return tuple(_call(process_set, _grouped_allgather_on, list(tensors), name=name))
+        return tuple(_call(process_set, _grouped_allgather_on, list(tensors), codec, compressor, name=name))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -470,13 +499,18 @@ class _GroupedAllgather(torch.autograd.Function):
         offsets = _call(ctx.process_set, _allgather_on, torch.tensor([ctx.dims], dtype=torch.int64))
         me = comm_of(ctx.process_set).rank
         before = offsets[:me].sum(dim=0).tolist()
-        return (None, None) + tuple(r.narrow(0, int(o), d) for r, o, d in zip(reduced, before, ctx.dims))
+        return (None,) * 4 + tuple(r.narrow(0, int(o), d) for r, o, d in zip(reduced, before, ctx.dims))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: Any = global_process_set) -> list[torch.Tensor]:
-    """Return each tensor gathered from every member (fused); differentiable."""
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+                      process_set: Any = global_process_set, compression: Any = Compression.none
+                      ) -> list[torch.Tensor]:
+    """Return each tensor gathered from every member (fused); differentiable.
+
+    ``compression`` (commwire's extension): a Compressor or a codec spec such as ``"fp8-e4m3"``.
+    """
+    codec, compressor = resolve(compression)
+    return list(_GroupedAllgather.apply(name, process_set, codec, compressor, *tensors))
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -577,6 +611,10 @@ def _reducescatter_on(comm: Communicator, tensor: torch.Tensor, op: str, prescal
                       name: str | None = None) -> torch.Tensor:
     x, ctx = compressor.compress(tensor.detach()) if compressor is not None else (tensor.detach(), None)
     x = _scale(x, prescale)
+    if codec is not None:  # commwire's codec on the wire: blocks encoded by their senders, summed in FP32
+        from ..codecs.sharded import compressed_reduce_scatter
+
+        return _scale(compressed_reduce_scatter(comm, x, op, codec=codec, counts=counts, name=name), postscale)
     int_avg = _int_average(x, op)
     result = comm.reduce_scatter(x, Sum if int_avg else op, name=name, counts=counts)
     if int_avg:
@@ -587,18 +625,22 @@ def _reducescatter_on(comm: Communicator, tensor: torch.Tensor, op: str, prescal
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> HorovodHandle:
-    """Start a reduce-scatter (rows split as evenly as possible, the first members get one more)."""
+                        postscale_factor: float = 1.0, compression: Any = Compression.none) -> HorovodHandle:
+    """Start a reduce-scatter (rows split as evenly as possible, the first members get one more).
+
+    ``compression`` (commwire's extension): a Compressor or a commwire codec spec, as for ``reducescatter``.
+    """
+    codec, compressor = resolve(compression)
     return _submit(process_set, _reducescatter_on, tensor, normalize_op(op), prescale_factor, postscale_factor,
-                   name=name)
+                   codec, compressor, name=name)
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: str, process_set: Any, prescale: float,
-                postscale: float, compressor: Any) -> torch.Tensor:
+                postscale: float, codec: Any, compressor: Any) -> torch.Tensor:
         ctx.args = (op, process_set, prescale * postscale)
-        return _call(process_set, _reducescatter_on, tensor, op, prescale, postscale, None, compressor,
+        return _call(process_set, _reducescatter_on, tensor, op, prescale, postscale, codec, compressor,
                        name=name)
 
     @staticmethod
@@ -607,22 +649,32 @@ class _Reducescatter(torch.autograd.Function):
         if op == Sum:
             scale = scale * comm_of(process_set).size
         grad = grad * scale if scale != 1.0 else grad
-        return _call(process_set, _allgather_on, grad.contiguous()), None, None, None, None, None, None
+        return _call(process_set, _allgather_on, grad.contiguous()), None, None, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
-    """Return this member's block of rows of ``tensor`` reduced over the process set; differentiable."""
-    _, compressor = resolve(compression)
+    """Return this member's block of rows of ``tensor`` reduced over the process set; differentiable.
+
+    ``compression``: a Horovod Compressor (applied around the collective) or a commwire codec spec
+    such as ``"ef+fp8-e4m3"`` (each block travels encoded; ``commwire.codecs.sharded``).
+    """
+    codec, compressor = resolve(compression)
     return _Reducescatter.apply(tensor, name, normalize_op(op), process_set, prescale_factor, postscale_factor,
-                                compressor)
+                                codec, compressor)
 
 
 @torch.no_grad()
 def _grouped_reducescatter_on(comm: Communicator, tensors: Sequence[torch.Tensor], op: str, prescale: float,
-                              postscale: float, name: str | None = None) -> list[torch.Tensor]:
+                              postscale: float, codec: Any = None, compressor: Any = None,
+                              name: str | None = None) -> list[torch.Tensor]:
     """Reduce-scatter several tensors fused: each member's blocks of every tensor travel together."""
+    if compressor is not None:  # Horovod's Compressors work tensor by tensor, around the fused collective
+        pairs = [compressor.compress(t.detach()) for t in tensors]
+        reduced = _grouped_reducescatter_on(comm, [p[0] for p in pairs], op, prescale, postscale, codec, None,
+                                            name=name)
+        return [compressor.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
     from ..comm.communicator import split_rows
 
     results: list[Any] = [None] * len(tensors)
@@ -640,7 +692,7 @@ def _grouped_reducescatter_on(comm: Communicator, tensors: Sequence[torch.Tensor
                   for t, s in zip(group, splits)]
         packed = torch.cat([blocks[j][r] for r in range(comm.size) for j in range(len(group))])
         counts = np.array([sum(b[r].numel() for b in blocks) for r in range(comm.size)], dtype=np.int64)
-        mine = _reducescatter_on(comm, packed, op, prescale, postscale, counts=counts, name=label)
+        mine = _reducescatter_on(comm, packed, op, prescale, postscale, codec, counts=counts, name=label)
         sizes = [b[comm.rank].numel() for b in blocks]
         for i, t, piece, s in zip(idx, group, mine.split(sizes), splits):
             results[i] = piece.view((int(s[comm.rank]),) + tuple(t.shape[1:]))
@@ -649,19 +701,21 @@ def _grouped_reducescatter_on(comm: Communicator, tensors: Sequence[torch.Tensor
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = Average,
                                 process_set: Any = global_process_set, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> HorovodHandle:
+                                postscale_factor: float = 1.0, compression: Any = Compression.none
+                                ) -> HorovodHandle:
     """Start a fused reduce-scatter of ``tensors``; ``synchronize`` gives a list of blocks."""
+    codec, compressor = resolve(compression)
     return _submit(process_set, _grouped_reducescatter_on, list(tensors), normalize_op(op), prescale_factor,
-                   postscale_factor, name=name)
+                   postscale_factor, codec, compressor, name=name)
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: str, process_set: Any, prescale: float, postscale: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                codec: Any, compressor: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, process_set, prescale * postscale)
-        return tuple(_call(process_set, _grouped_reducescatter_on, list(tensors), op, prescale, postscale,
-                             name=name))
+        return tuple(_call(process_set, _grouped_reducescatter_on, list(tensors), op, prescale, postscale, codec,
+                           compressor, name=name))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -670,19 +724,20 @@ class _GroupedReducescatter(torch.autograd.Function):
             scale = scale * comm_of(process_set).size
         grads = tuple(g * scale if scale != 1.0 else g for g in grads)
         gathered = _call(process_set, _grouped_allgather_on, [g.contiguous() for g in grads])
-        return (None,) * 5 + tuple(gathered)
+        return (None,) * 7 + tuple(gathered)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: Any = Average,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reduce-scatter each tensor, fused into one collective per dtype; differentiable."""
-    _, compressor = resolve(compression)
-    if compressor is not None:
-        raise ValueError("grouped_reducescatter takes no Horovod Compressor; compress the tensors yourself")
+    """Reduce-scatter each tensor, fused into one collective per dtype; differentiable.
+
+    ``compression``: a Horovod Compressor (applied to each tensor) or a commwire codec spec.
+    """
+    codec, compressor = resolve(compression)
     return list(_GroupedReducescatter.apply(name, normalize_op(op), process_set, prescale_factor,
-                                            postscale_factor, *tensors))
+                                            postscale_factor, codec, compressor, *tensors))
 
 
 # --------------------------------------------------------------------------- sparse, join, barrier

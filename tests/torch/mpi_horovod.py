@@ -366,6 +366,38 @@ def test_reducescatter_gradient_and_errors():
         hvd.reducescatter(torch.ones(P), op=hvd.Adasum)
 
 
+
+@pytest.mark.parametrize("compression", ["ef+fp8-e4m3", "fp16-compressor", "nvfp4"])
+def test_reducescatter_and_allgather_with_compression(compression):
+    comp = hvd.Compression.fp16 if compression == "fp16-compressor" else compression
+    bound = {"ef+fp8-e4m3": 0.04, "fp16-compressor": 1e-3, "nvfp4": 0.15}[compression]
+    g = torch.Generator().manual_seed(50 + R)
+    x = torch.randn(P * 40 + 1, 8, generator=g)
+    full = torch.stack([torch.randn(P * 40 + 1, 8, generator=torch.Generator().manual_seed(50 + r))
+                        for r in range(P)]).double()
+    rows = np.array_split(np.arange(P * 40 + 1), P)[R]
+    want = full.mean(0)[rows[0]:rows[-1] + 1]
+
+    def rel(got, ref):
+        return float((got.double() - ref).norm() / ref.norm())
+
+    got = hvd.reducescatter(x, op=hvd.Average, compression=comp, name=f"rs.{compression}")
+    assert got.dtype == x.dtype and tuple(got.shape) == (len(rows), 8) and rel(got, want) < bound
+    got_async = hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Average, compression=comp,
+                                                        name=f"rs.{compression}"))
+    assert rel(got_async, want) < bound
+    grouped = hvd.grouped_reducescatter([x, 2 * x], op=hvd.Average, compression=comp, name=f"grs.{compression}")
+    assert rel(grouped[0], want) < bound and rel(grouped[1], 2 * want) < bound
+    shard = x[: R + 1]  # uneven rows
+    gathered = hvd.allgather(shard, compression=comp if compression != "ef+fp8-e4m3" else "fp8-e4m3")
+    ref = torch.cat([full[r, : r + 1] for r in range(P)])
+    assert tuple(gathered.shape) == tuple(ref.shape) and rel(gathered, ref) < bound
+    pieces = hvd.grouped_allgather([shard, shard * 3], compression="nvfp4" if compression == "nvfp4" else "fp8-e4m3")
+    assert rel(pieces[1], 3 * ref) < 0.15
+    if compression == "ef+fp8-e4m3":
+        with pytest.raises(ValueError, match="error feedback compensates sums"):
+            hvd.allgather(shard, compression="ef+fp8-e4m3")
+
 def test_sparse_allreduce_async():
     dense = torch.zeros(6, 2)
     dense[R % 6] = R + 1.0
