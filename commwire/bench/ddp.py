@@ -253,22 +253,29 @@ def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, lay
     return rows
 
 
-def over_seeds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Combine one row list per seed: median step time, loss mean / sd / range, not above plain DDP's worst seed."""
+def over_seeds(runs: list[list[dict[str, Any]]], reference: str = "ddp", key: str = "ddp") -> list[dict[str, Any]]:
+    """Combine one row list per seed: median step time, loss mean / sd / range, not above ``reference``'s worst seed.
+
+    ``reference`` is the baseline's config name; rows carry ``ratio_vs_<key>`` and each combined row
+    gains ``within_<key>_range``.
+    """
+    ratio = f"ratio_vs_{key}"
     rows = []
     for per_seed in zip(*runs):
         losses = np.array([r["val_loss"] for r in per_seed])
         row = {**per_seed[0], "step_ms": float(np.median([r["step_ms"] for r in per_seed])),
-               "ratio_vs_ddp": float(np.median([r["ratio_vs_ddp"] for r in per_seed])),
+               ratio: float(np.median([r[ratio] for r in per_seed])),
                "MB_per_step": float(np.mean([r["MB_per_step"] for r in per_seed])),
                "bytes_vs_fp32": float(np.mean([r["bytes_vs_fp32"] for r in per_seed])),
+               **{k: float(np.mean([r[k] for r in per_seed])) for k in ("rs_MB", "ag_MB", "ar_MB", "rs_vs_first")
+                  if k in per_seed[0]},
                "val_loss": float(losses.mean()), "val_loss_sd": float(losses.std(ddof=1)) if len(losses) > 1 else 0.0,
                "val_loss_range": (float(losses.min()), float(losses.max())), "seeds": len(losses)}
         rows.append(row)
-    ref = next((r for r in rows if r["config"] == "ddp"), None)
+    ref = next((r for r in rows if r["config"] == reference), None)
     for r in rows:
         if ref is not None and r["seeds"] > 1:
-            r["within_ddp_range"] = bool(r["val_loss"] <= ref["val_loss_range"][1])
+            r[f"within_{key}_range"] = bool(r["val_loss"] <= ref["val_loss_range"][1])
     return rows
 
 

@@ -73,8 +73,11 @@ def check_sharded_codec(codec: Any, operation: str) -> Codec:
 class _Call:
     """Bookkeeping of one compressed reduce-scatter or all-gather."""
 
-    def __init__(self, comm: Communicator, codec: Codec, dry: bool) -> None:
+    def __init__(self, comm: Communicator, codec: Codec, dry: bool, flag: int | None = None) -> None:
         self.comm, self.codec, self.dry = comm, codec, dry
+        # The agreement flag rides in the payload (one byte after each message) when ``flag`` is set
+        # (0: this rank's arguments are the agreed ones, 1: they deviate); ``flagged``: anyone's was 1.
+        self.flag, self.extra, self.flagged = flag, 0 if flag is None else 1, False
         self.times = {"encode": 0.0, "transfer": 0.0, "decode": 0.0}
         self.wire_sent = self.encoded_elems = self.encoded_wire = 0
 
@@ -97,6 +100,16 @@ class _Call:
         else:
             self.codec._decode(buf, n, out)
         self.times["decode"] += _perf() - t
+
+    def mark(self, buf: Any, at: int) -> None:
+        """Write this rank's flag byte at ``buf[at]`` (flagged calls only)."""
+        if self.extra:
+            buf[at] = self.flag
+
+    def read(self, buf: Any, at: int) -> None:
+        """Note a peer's flag byte at ``buf[at]`` (flagged calls only)."""
+        if self.extra and int(buf[at]):
+            self.flagged = True
 
     def wait(self, pipe: Any, reqs: list[Any], label: str, name: str | None) -> None:
         if not reqs:
@@ -128,22 +141,26 @@ def _rows_of(counts: Any, rows: int, size: int, what: str) -> np.ndarray:
 
 
 def _reduce_scatter_flat(call: _Call, flat: Any, elems: list[int], key: Hashable, average: bool,
-                         sp: _HostSpace, name: str | None) -> Any:
-    """Reduce-scatter the flat FP32 vector ``flat`` cut into ``elems`` per rank; return this rank's FP32 chunk."""
+                         sp: _HostSpace, name: str | None, into: Any = None) -> Any:
+    """Reduce-scatter the flat FP32 vector ``flat`` cut into ``elems`` per rank; return this rank's FP32 chunk.
+
+    ``into``: optional float32 vector for the chunk (the caller's output, not overlapping ``flat``).
+    """
     comm = call.comm
     size, rank, n = comm.size, comm.rank, int(flat.shape[0])
     starts = [int(s) for s in np.concatenate(([0], np.cumsum(elems)[:-1]))]
+    x1 = call.extra
     wire = [int(call.codec.wire_nbytes(c)) for c in elems]
     peers = [(rank + k) % size for k in range(1, size)]  # each rank starts with a different peer
-    w_me = wire[rank]
+    w_me = wire[rank] + x1  # a message: the encoded chunk, then the flag byte of flagged calls
     send_off, o = {}, 0
     for r in range(size):
         if r != rank:
-            send_off[r], o = o, o + wire[r]
+            send_off[r], o = o, o + wire[r] + x1
     send, h_send = sp.empty_u8(o), sp.mirror(o)
     recv, h_recv = sp.empty_u8(w_me * size), sp.mirror(w_me * size)  # slot r: rank r's encoding of my chunk
     pipe = _pipe(comm)
-    acc = sp.empty_f32(elems[rank])
+    acc = sp.empty_f32(elems[rank]) if into is None else into
     sp.ready()
     if pipe.point_to_point:
         recvs = {r: pipe.irecv(sp.incoming(recv, h_recv, r * w_me, (r + 1) * w_me), r, _RS_TAG) for r in peers}
@@ -152,23 +169,26 @@ def _reduce_scatter_flat(call: _Call, flat: Any, elems: list[int], key: Hashable
             part = slice(starts[r], starts[r] + elems[r])
             lo = send_off[r]
             call.encode(flat[part], send[lo:lo + wire[r]], Span((key, "rs"), part.start, n))
+            call.mark(send, lo + wire[r])
             sp.ready()
-            sends.append(pipe.isend(sp.outgoing(send, h_send, lo, lo + wire[r]), r, _RS_TAG))
+            sends.append(pipe.isend(sp.outgoing(send, h_send, lo, lo + wire[r] + x1), r, _RS_TAG))
         sp.copy(acc, flat[starts[rank]:starts[rank] + elems[rank]])
         for r in range(size):  # rank order: the same sum whatever order the chunks arrive in
             if r == rank:
                 continue
             call.wait(pipe, [recvs[r]], "compressed_reduce_scatter", name)
             sp.arrived(recv, h_recv, r * w_me, (r + 1) * w_me)
-            call.decode(recv[r * w_me:(r + 1) * w_me], elems[rank], acc, add=True)
+            call.read(recv, (r + 1) * w_me - 1)
+            call.decode(recv[r * w_me:r * w_me + wire[rank]], elems[rank], acc, add=True)
         call.wait(pipe, sends, "compressed_reduce_scatter", name)
     else:  # one all-to-all (NCCL): this rank's own slot travels empty
         for r in peers:
             part = slice(starts[r], starts[r] + elems[r])
             lo = send_off[r]
             call.encode(flat[part], send[lo:lo + wire[r]], Span((key, "rs"), part.start, n))
+            call.mark(send, lo + wire[r])
         sp.ready()
-        send_counts = [0 if r == rank else wire[r] for r in range(size)]
+        send_counts = [0 if r == rank else wire[r] + x1 for r in range(size)]
         recv_counts = [0 if r == rank else w_me for r in range(size)]
         packed = sp.empty_u8(w_me * (size - 1))
         h_packed = sp.mirror(w_me * (size - 1))
@@ -177,9 +197,10 @@ def _reduce_scatter_flat(call: _Call, flat: Any, elems: list[int], key: Hashable
                   "compressed_reduce_scatter", name)
         sp.arrived(packed, h_packed, 0, w_me * (size - 1))
         sp.copy(acc, flat[starts[rank]:starts[rank] + elems[rank]])
-        for i, r in enumerate(r for r in range(size) if r != rank):
-            call.decode(packed[i * w_me:(i + 1) * w_me], elems[rank], acc, add=True)
-    call.wire_sent += o
+        for i in range(size - 1):
+            call.read(packed, (i + 1) * w_me - 1)
+            call.decode(packed[i * w_me:i * w_me + wire[rank]], elems[rank], acc, add=True)
+    call.wire_sent += o - x1 * (size - 1)  # the flag bytes are the protocol's, not the payload's
     if average and not call.dry:
         sp.scale(acc, 1.0 / size)
     return acc
@@ -248,18 +269,24 @@ def compressed_reduce_scatter(comm: Communicator, x: Any, op: str = "sum", *, co
         row = int(np.prod(shape_[1:], dtype=np.int64))
         return [int(r) * row for r in rows_]
 
-    def run() -> Any:
+    flagged = [False]
+
+    def run(flag: int | None = None) -> Any:
         assert rows is not None and dtype is not None and adapter is not None
         start = _perf()
-        call = _Call(comm, codec_obj, dry=False)
+        call = _Call(comm, codec_obj, dry=False, flag=flag)
         block = (int(rows[comm.rank]),) + shape[1:]
         if space is None:
             assert host is not None
             flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
-            acc = _reduce_scatter_flat(call, flat, elems_of(rows, shape), key, average, _HOST, name)
+            into = _f32_view(out, flat)
+            acc = _reduce_scatter_flat(call, flat, elems_of(rows, shape), key, average, _HOST, name, into)
             adapter.release(host)
-            final = acc.reshape(block) if dtype == _F32 else acc.reshape(block).astype(dtype)
-            value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
+            if into is not None:
+                value = out
+            else:
+                final = acc.reshape(block) if dtype == _F32 else acc.reshape(block).astype(dtype)
+                value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
         else:
             t = arrays.to_torch(x).detach()
             flat = t.reshape(-1)
@@ -269,35 +296,46 @@ def compressed_reduce_scatter(comm: Communicator, x: Any, op: str = "sum", *, co
             final = acc.reshape(block).to(t.dtype)
             value = _into(out, final) if out is not None else arrays.from_torch(final, arrays.kind_of(x))
         call.account("compressed_reduce_scatter", name, start, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        flagged[0] = call.flagged
         return value
 
-    def dummy(agreed: Signature) -> None:
+    def dummy(agreed: Signature, flag: int | None = None) -> bool:
         flat = np.zeros(int(np.prod(agreed.shape, dtype=np.int64)), dtype=_F32)
         agreed_rows = _rows_of(agreed.counts, int(agreed.shape[0]), comm.size, "reduce_scatter")
-        _reduce_scatter_flat(_Call(comm, codec_obj, dry=True), flat, elems_of(agreed_rows, tuple(agreed.shape)),
-                             None, False, _HOST, name)
+        call = _Call(comm, codec_obj, dry=True, flag=flag)
+        _reduce_scatter_flat(call, flat, elems_of(agreed_rows, tuple(agreed.shape)), None, False, _HOST, name)
+        return call.flagged
 
-    return comm.run_collective(sig, error, run, dummy)
+    return comm.run_collective(sig, error, run, dummy, _flag_in_payload(run, dummy, flagged), flag_in_data=True)
 
 
 def _allgather_flat(call: _Call, flat: Any, elems: list[int], key: Hashable, sp: _HostSpace,
-                    name: str | None) -> Any:
-    """All-gather this rank's flat FP32 vector (``elems[rank]`` elements); return the decoded concatenation."""
+                    name: str | None, into: Any = None) -> Any:
+    """All-gather this rank's flat FP32 vector (``elems[rank]`` elements); return the decoded concatenation.
+
+    ``into``: optional float32 vector for the result; it may hold ``flat`` itself (FSDP gathers in
+    place), since ``flat`` is encoded before anything is decoded.
+    """
     comm = call.comm
     size, rank = comm.size, comm.rank
+    x1 = call.extra
     wire = [int(call.codec.wire_nbytes(c)) for c in elems]
-    offs = [int(s) for s in np.concatenate(([0], np.cumsum(wire)[:-1]))]
-    total = sum(wire)
-    mine, h_mine = sp.empty_u8(wire[rank]), sp.mirror(wire[rank])
+    sizes = [w + x1 for w in wire]  # a payload, then the flag byte of flagged calls
+    offs = [int(s) for s in np.concatenate(([0], np.cumsum(sizes)[:-1]))]
+    total = sum(sizes)
+    mine, h_mine = sp.empty_u8(sizes[rank]), sp.mirror(sizes[rank])
     every, h_every = sp.empty_u8(total), sp.mirror(total)
-    call.encode(flat, mine, (key, "ag"))
+    call.encode(flat, mine[:wire[rank]], (key, "ag"))
+    call.mark(mine, wire[rank])
     sp.ready()
     pipe = _pipe(comm)
-    call.wait(pipe, [pipe.iallgatherv(sp.outgoing(mine, h_mine, 0, wire[rank]), sp.incoming(every, h_every, 0, total),
-                                      wire)], "compressed_allgather", name)
+    call.wait(pipe, [pipe.iallgatherv(sp.outgoing(mine, h_mine, 0, sizes[rank]),
+                                      sp.incoming(every, h_every, 0, total), sizes)], "compressed_allgather", name)
     call.wire_sent += wire[rank]
     sp.arrived(every, h_every, 0, total)
-    result = sp.empty_f32(sum(elems))
+    for r in range(size):
+        call.read(every, offs[r] + wire[r])
+    result = sp.empty_f32(sum(elems)) if into is None else into
     lo = 0
     for r in range(size):  # own payload decoded too: every rank holds the same values
         call.decode(every[offs[r]:offs[r] + wire[r]], elems[r], result[lo:lo + elems[r]], add=False)
@@ -379,19 +417,25 @@ def compressed_allgather(comm: Communicator, x: Any, *, codec: Any, counts: Any 
         row = int(np.prod(trailing_, dtype=np.int64))
         return [int(r) * row for r in rows_]
 
-    def run() -> Any:
+    flagged = [False]
+
+    def run(flag: int | None = None) -> Any:
         assert dtype is not None and adapter is not None
         start = _perf()
-        call = _Call(comm, codec_obj, dry=False)
+        call = _Call(comm, codec_obj, dry=False, flag=flag)
         all_rows = sizes(int(x.shape[0]))
         full = (int(all_rows.sum()),) + trailing
         if space is None:
             assert host is not None
             flat = host.reshape(-1) if host.dtype == _F32 else host.astype(_F32).reshape(-1)
-            result = _allgather_flat(call, flat, elems_of(all_rows, trailing), key, _HOST, name)
+            into = _f32_view(out, None)
+            result = _allgather_flat(call, flat, elems_of(all_rows, trailing), key, _HOST, name, into)
             adapter.release(host)
-            final = result.reshape(full) if dtype == _F32 else result.reshape(full).astype(dtype)
-            value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
+            if into is not None:
+                value = out
+            else:
+                final = result.reshape(full) if dtype == _F32 else result.reshape(full).astype(dtype)
+                value = adapter.write(out, final) if out is not None else adapter.wrap(final, x)
         else:
             t = arrays.to_torch(x).detach()
             flat = t.reshape(-1)
@@ -402,9 +446,10 @@ def compressed_allgather(comm: Communicator, x: Any, *, codec: Any, counts: Any 
             value = _into(out, final) if out is not None else arrays.from_torch(final, arrays.kind_of(x))
         call.account("compressed_allgather", name, start, int(x.shape[0] * np.prod(trailing, dtype=np.int64))
                      * dtype.itemsize)
+        flagged[0] = call.flagged
         return value
 
-    def dummy(agreed: Signature) -> None:
+    def dummy(agreed: Signature, flag: int | None = None) -> bool:
         trailing_ = tuple(agreed.shape)
         all_rows = sizes(0) if agreed.counts is None else np.asarray(agreed.counts, dtype=np.int64)
         elems = elems_of(all_rows, trailing_)
@@ -412,9 +457,40 @@ def compressed_allgather(comm: Communicator, x: Any, *, codec: Any, counts: Any 
             flat = np.zeros(elems[comm.rank], dtype=_F32)
         else:
             flat = np.zeros(0, dtype=_F32)
-        _allgather_flat(_Call(comm, codec_obj, dry=True), flat, elems, None, _HOST, name)
+        call = _Call(comm, codec_obj, dry=True, flag=flag)
+        _allgather_flat(call, flat, elems, None, _HOST, name)
+        return call.flagged
 
-    return comm.run_collective(sig, error, run, dummy)
+    return comm.run_collective(sig, error, run, dummy, _flag_in_payload(run, dummy, flagged), flag_in_data=True)
+
+
+def _flag_in_payload(run: Any, dummy: Any, flagged: list[bool]) -> Any:
+    """Return the ``fused`` step of ``Communicator.run_collective``: the agreement flag rides in the payload.
+
+    A rank whose arguments match the agreed ones moves its data with flag 0; a deviating rank
+    moves zeros in the agreed pattern with flag 1. Every rank receives every other rank's flag
+    (each message carries its sender's), so all learn together whether anyone deviated, with
+    no separate flag exchange.
+    """
+    def fused(agreed: Any, deviates: bool) -> tuple[Any, bool]:
+        if deviates:
+            dummy(agreed.sig, 1)
+            return None, True
+        value = run(0)
+        return value, flagged[0]
+
+    return fused
+
+
+def _f32_view(out: Any, avoid: Any) -> Any:
+    """Return a flat float32 numpy view writing into ``out``, or None (no out, another dtype, or memory
+    shared with ``avoid``)."""
+    if out is None:
+        return None
+    view = adapter_for(out).out_view(out)
+    if view is None or view.dtype != _F32 or (avoid is not None and np.may_share_memory(view, avoid)):
+        return None
+    return view.reshape(-1)
 
 
 def _into(out: Any, value: Any) -> Any:

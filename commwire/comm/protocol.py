@@ -119,7 +119,8 @@ class AgreementProtocol:
 
     def run_collective(self, sig: Signature, error: BaseException | None, run: Callable[[], Any],
                        dummy: Callable[[Signature], Any],
-                       fused: Callable[[Agreed, bool], tuple[Any, bool]] | None = None) -> Any:
+                       fused: Callable[[Agreed, bool], tuple[Any, bool]] | None = None, *,
+                       flag_in_data: bool = False) -> Any:
         """Run one collective under the agreement protocol (see the module docstring) and return ``run()``'s result.
 
         Args:
@@ -128,6 +129,9 @@ class AgreementProtocol:
             run: moves this rank's data and returns the result.
             dummy: moves zeros shaped by an agreed signature (this rank's arguments deviate).
             fused: optional; moves the data with the flag in the same buffer and returns (result, flagged).
+            flag_in_data: ``fused`` works for every agreed signature (a collective whose every rank
+                receives every other rank's message, so one byte per message carries the flag);
+                otherwise it is used where the agreed entry has a fused plan (small all-reduces).
         """
         check = self.check
         if check is False:
@@ -142,7 +146,7 @@ class AgreementProtocol:
                 self._remember(key, sig)
             return run()
         deviates = error is not None or sig != agreed.sig
-        if fused is not None and agreed.fused is not None:
+        if fused is not None and (flag_in_data or agreed.fused is not None):
             result, flagged = fused(agreed, deviates)
         else:
             flag = self._flag_start(deviates)

@@ -129,6 +129,12 @@ def test_allgather_counts_and_out():
     assert rel_err(out, want) < 0.04
     no_counts = compressed_allgather(COMM, x, codec="fp8-e4m3", name="ag-out")
     np.testing.assert_array_equal(no_counts, out)
+    # in place, as FSDP gathers: the input is this rank's slot of the output (torch tensors)
+    inplace = torch.zeros(4 * P, 16)
+    inplace[4 * COMM.rank:4 * COMM.rank + 4] = torch.from_numpy(x)
+    compressed_allgather(COMM, inplace[4 * COMM.rank:4 * COMM.rank + 4], codec="fp8-e4m3", counts=rows,
+                         out=inplace, name="ag-out")
+    np.testing.assert_array_equal(inplace.numpy(), out)
 
 
 def test_wire_bytes_are_the_codecs():
@@ -217,3 +223,39 @@ def test_collective_path_matches_point_to_point():
     finally:
         pipe.point_to_point = saved
     np.testing.assert_array_equal(collective, p2p)
+
+
+@pytest.mark.parametrize("which", ["reduce_scatter", "allgather"])
+def test_later_calls_carry_the_agreement_flag_in_the_payload(which):
+    # After the first call of a name is agreed, later calls carry each rank's "my arguments deviate"
+    # flag in their own messages: no separate flag exchange, and a deviation still reaches every rank.
+    if COMM.check != "first":
+        pytest.skip("the flag is only used after a first call's agreement (check='first')")
+    call = (lambda a: cw.reduce_scatter(a, "sum", codec="fp8-e4m3", name=f"flag-{which}")) \
+        if which == "reduce_scatter" else (lambda a: cw.allgather(a, codec="fp8-e4m3", name=f"flag-{which}"))
+    x = gaussian(4 * P, COMM.rank, seed=12)
+    first = call(x)
+
+    def no_flag_exchange(*args):
+        raise AssertionError("a separate flag exchange ran")
+
+    COMM._flag_start = no_flag_exchange  # an instance attribute over the protocol's method
+    try:
+        np.testing.assert_array_equal(call(x), first)
+    finally:
+        del COMM._flag_start
+    if P > 1:
+        # reduce-scatter: another length; all-gather (rows may differ): another row shape
+        other = gaussian(4 * P + 2, COMM.rank) if which == "reduce_scatter" else x.reshape(-1, 2)
+        bad = other if COMM.rank == P - 1 else x
+        with pytest.raises(Exception, match="shape|agree|differ"):
+            call(bad)
+    # every rank changing shape together is a new agreed shape: redone, right
+    y = gaussian(8 * P, COMM.rank, seed=13)
+    got = call(y)
+    if which == "reduce_scatter":
+        want = rs_reference(8 * P, "sum", [8] * P, seed=13)
+    else:
+        want = np.concatenate([gaussian(8 * P, r, seed=13) for r in range(P)]).astype(np.float64)
+    assert rel_err(got, want) < 0.04
+    np.testing.assert_array_equal(call(x), first)
