@@ -186,7 +186,7 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
     params = sum(p.numel() for p in runners[0][2].parameters())
     first = runners[0][0]
     base = max(m[first] for m in medians)
-    per_step = {label: comm.allreduce(sent[label], "max") / (rounds * steps) for label in sent}  # slowest... largest
+    per_step = {label: comm.allreduce(sent[label], "max") / (rounds * steps) for label in sent}  # the largest rank
     rows = []
     for label, _, model in runners:
         median = max(m[label] for m in medians)
@@ -208,7 +208,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
              f"ratios to `{first['config']}`" + (f"; {seeds} seeds (step times: median over seeds)" if seeds > 1
                                                  else ""), "",
              "| configuration | step ms | vs first | MB/step (RS + AG + AR) | RS bytes vs first | "
-             "bytes vs first | validation loss |" + (" seeds' range | mean ≤ first's worst seed |" if seeds > 1 else ""),
+             "bytes vs first | validation loss |"
+             + (" seeds' range | mean ≤ first's worst seed |" if seeds > 1 else ""),
              "|---|---|---|---|---|---|---|" + ("---|---|" if seeds > 1 else "")]
     for r in rows:
         parts = " + ".join(f"{r[k]:.2f}" for k in ("rs_MB", "ag_MB", "ar_MB") if r[k] or k != "ar_MB")

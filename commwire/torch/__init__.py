@@ -7,7 +7,8 @@ lane (commwire.torch.mpi_ops), ``grouped_*`` travel fused, Compressors wrap
 the codec layer (commwire.torch.compression), and DistributedOptimizer fuses
 gradients into buckets that reduce while backward runs
 (commwire.torch.optimizer). commwire adds LoRDO, DiLoCo, GIFT compressions,
-error-feedback codecs, and a DDP communication hook (commwire.torch.ddp).
+error-feedback codecs, a DDP communication hook (commwire.torch.ddp) and compressed FSDP2
+collectives (commwire.torch.fsdp).
 
 Example:
     >>> import commwire.torch as hvd

@@ -13,3 +13,26 @@ def test_fsdp_suite(n):
     pytest.importorskip("torch.distributed.fsdp")
     run_mpi_pytest(n, "tests/torch/mpi_fsdp.py", "-W", "ignore::UserWarning", "-W", "ignore::FutureWarning",
                    timeout=600)
+
+
+def test_bench_combines_seeds_against_the_first_configuration():
+    from commwire.bench.ddp import over_seeds
+    from commwire.bench.fsdp import _parse, format_table
+
+    def row(config, step_ms, loss, rs_mb, ag_mb):
+        return {"config": config, "ranks": 4, "params": 3e6, "step_ms": step_ms, "ratio_vs_fsdp": step_ms / 600.0,
+                "MB_per_step": rs_mb + ag_mb, "rs_MB": rs_mb, "ag_MB": ag_mb, "ar_MB": 0.0,
+                "rs_vs_first": rs_mb / 9.0, "bytes_vs_fp32": (rs_mb + ag_mb) / 15.0, "val_loss": loss}
+
+    runs = [[row("fsdp", 600.0, 3.20, 9.0, 6.0), row("commwire rs=fp8-e4m3 ag=fp8-e4m3", 400.0, 3.21, 2.25, 1.5)],
+            [row("fsdp", 660.0, 3.24, 9.0, 6.0), row("commwire rs=fp8-e4m3 ag=fp8-e4m3", 420.0, 3.30, 2.25, 1.5)],
+            [row("fsdp", 630.0, 3.22, 9.0, 6.0), row("commwire rs=fp8-e4m3 ag=fp8-e4m3", 380.0, 3.24, 2.25, 1.5)]]
+    fsdp_row, fp8 = over_seeds(runs, reference="fsdp", key="fsdp")
+    assert fsdp_row["step_ms"] == 630.0 and fsdp_row["val_loss_range"] == (3.20, 3.24)
+    assert fp8["rs_vs_first"] == 0.25 and abs(fp8["bytes_vs_fp32"] - 0.25) < 1e-12
+    assert fp8["within_fsdp_range"] is False  # mean 3.25 > FSDP's worst seed 3.24
+    table = format_table([fsdp_row, fp8])
+    assert "| commwire rs=fp8-e4m3 ag=fp8-e4m3 | 400.0 | 0.67× | 3.75 (2.25 + 1.50) | 0.250 | 0.250 |" in table
+    assert _parse("hsdp replicate=ef+nvfp4") == {"hsdp": True, "bf16": False, "rs": None, "ag": None,
+                                                 "replicate": "ef+nvfp4"}
+    assert _parse("commwire bf16 rs=ef+fp8-e4m3 ag=fp8-e4m3")["bf16"] is True
