@@ -271,6 +271,9 @@ def over_seeds(runs: list[list[dict[str, Any]]], reference: str = "ddp", key: st
                   if k in per_seed[0]},
                "val_loss": float(losses.mean()), "val_loss_sd": float(losses.std(ddof=1)) if len(losses) > 1 else 0.0,
                "val_loss_range": (float(losses.min()), float(losses.max())), "seeds": len(losses)}
+        if "val_curve" in row:
+            row["val_curves"] = [r["val_curve"] for r in per_seed]
+            del row["val_curve"]
         rows.append(row)
     ref = next((r for r in rows if r["config"] == reference), None)
     for r in rows:

@@ -14,7 +14,8 @@ batches for the same steps; only the collectives differ:
   (bf16 compute; the codecs encode the bf16 parameters and gradients);
 - with ``--hsdp`` on 4 ranks (2 replicas x 2 shards): ``hsdp`` (FSDP2's native HSDP on a 2-D
   mesh) and ``hsdp replicate=<codec>`` (each replica sharded over its shard group; the
-  all-reduce across replicas through commwire with that codec).
+  all-reduce across replicas through commwire with that codec; ``rs=``/``ag=`` compress the
+  reduce-scatter and all-gather inside each shard group as well).
 
 Steps are timed in interleaved rounds (each round runs every configuration);
 the slowest rank's median counts. Bytes per step are what one rank sends of its
@@ -23,7 +24,8 @@ own data, measured where it is sent: commwire's counters for its collectives
 all-gather hands out; the encoded tensor of an all-reduce); for FSDP's own
 collectives, wrappers that see the tensors torch moves: (P-1)/P of the
 reduce-scatter input, the all-gather's own shard, the all-reduced tensor. The
-loss is the validation loss after the run.
+loss is the validation loss after the run; the JSON rows also hold it after
+every round (``val_curve``; one per seed in ``val_curves``).
 
 Run: ``commwire bench fsdp -np 4`` or ``commwire run --lab -np 4 python -m commwire.bench.fsdp``.
 """
@@ -49,7 +51,8 @@ DRIVER = False
 _RS = ("fp8-e4m3", "ef+fp8-e4m3", "nvfp4", "ef+nvfp4")
 CONFIGS = ("fsdp", "fsdp bf16", *(f"commwire rs={c}" for c in _RS), *(f"commwire rs={c} ag=fp8-e4m3" for c in _RS),
            "commwire bf16 rs=ef+fp8-e4m3 ag=fp8-e4m3", "commwire bf16 rs=ef+nvfp4 ag=fp8-e4m3")
-HSDP_CONFIGS = ("hsdp", "hsdp replicate=ef+fp8-e4m3", "hsdp replicate=ef+nvfp4")
+HSDP_CONFIGS = ("hsdp", "hsdp replicate=ef+fp8-e4m3", "hsdp replicate=ef+nvfp4",
+                "hsdp rs=ef+fp8-e4m3 ag=fp8-e4m3 replicate=ef+fp8-e4m3")
 _COMMWIRE_OPS = {"rs": "compressed_reduce_scatter", "ag": "compressed_allgather", "ar": "compressed_allreduce"}
 
 
@@ -97,17 +100,47 @@ class _Counted:
 
 
 def _parse(label: str) -> dict[str, Any]:
-    """Return what ``label`` configures: hsdp, bf16, and a codec per commwire role."""
+    """Return what ``label`` configures: hsdp, bf16, and a codec per commwire role; ValueError if malformed.
+
+    A label is ``fsdp``, ``hsdp`` or ``commwire``, then optionally ``bf16``, then ``rs=<codec>``,
+    ``ag=<codec>`` and (``hsdp``) ``replicate=<codec>``, any codec spec that the role accepts.
+    """
+    from ..codecs.sharded import check_sharded_codec
+    from ..codecs.collective import resolve_codec
+
     words = label.split()
-    roles = dict(w.split("=", 1) for w in words if "=" in w)
-    return {"hsdp": words[0] == "hsdp", "bf16": "bf16" in words, "rs": roles.get("rs"), "ag": roles.get("ag"),
+    kind = words[0] if words else ""
+    roles: dict[str, str] = {}
+    allowed = {"fsdp": (), "hsdp": ("rs", "ag", "replicate"), "commwire": ("rs", "ag")}.get(kind)
+    for word in words[1:] if allowed is not None else [""]:
+        role, _, spec = word.partition("=")
+        if word == "bf16":
+            continue
+        if allowed is None or role not in allowed or not spec or role in roles:
+            raise ValueError(
+                f"configuration {label!r}: expected 'fsdp [bf16]', 'commwire [bf16] rs=<codec> ag=<codec>' (either "
+                "role may be left out) or 'hsdp [bf16] [rs=<codec>] [ag=<codec>] [replicate=<codec>]', e.g. "
+                f"'commwire rs=ef+hadamard+nvfp4 ag=fp8-e4m3'; the known ones: {', '.join(CONFIGS + HSDP_CONFIGS)}")
+        try:
+            check_sharded_codec(spec, {"rs": "reduce_scatter", "ag": "allgather"}[role]) if role != "replicate" \
+                else resolve_codec(spec)
+        except ValueError as exc:
+            raise ValueError(f"configuration {label!r}: {exc}") from None
+        roles[role] = spec
+    if kind == "commwire" and not roles:
+        raise ValueError(f"configuration {label!r} names no codec: add rs=<codec> and/or ag=<codec>")
+    return {"hsdp": kind == "hsdp", "bf16": "bf16" in words, "rs": roles.get("rs"), "ag": roles.get("ag"),
             "replicate": roles.get("replicate")}
 
 
 def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, layers: int = 4, batch: int = 8,
                    context: int = 64, steps: int = 8, rounds: int = 3, lr: float = 3e-3, threads: int = 1,
-                   seed: int = 0) -> list[dict[str, Any]]:
-    """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration."""
+                   seed: int = 0, batches: int = 8) -> list[dict[str, Any]]:
+    """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration.
+
+    The steps cycle through ``batches`` distinct training batches per rank (more: a convergence run
+    rather than a timing run).
+    """
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -131,7 +164,7 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
     corpus = Corpus.load()
     cfg = LMConfig(d_model=d_model, layers=layers, context=context, heads=4)
     gen = torch.Generator().manual_seed(1000 * seed + comm.rank)
-    data = [corpus.batch("train", batch=batch, context=context, generator=gen) for _ in range(8)]
+    data = [corpus.batch("train", batch=batch, context=context, generator=gen) for _ in range(batches)]
     counted = _Counted(comm.size)
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if comm.size == 4 and any(
         _parse(c)["hsdp"] for c in configs) else None
@@ -167,6 +200,7 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
             step(i)
     times: dict[str, list[float]] = {r[0]: [] for r in runners}
     sent = {r[0]: np.zeros(3) for r in runners}  # rs, ag, ar bytes
+    curves: dict[str, list[float]] = {r[0]: [] for r in runners}
     for r in range(rounds):
         for label, step, _ in runners:
             comm.barrier()
@@ -182,6 +216,9 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
                 op = _COMMWIRE_OPS[role]
                 ours = after.get(op, {}).get("bytes", 0) - before.get(op, {}).get("bytes", 0)
                 sent[label][k] += counted.bytes[role] - before_torch[role] + ours
+        for label, _, model in runners:  # the validation loss after every round, outside the timing
+            curves[label].append(float(comm.allreduce(np.array([evaluate(model, corpus, batches=4, batch=16)]),
+                                                      "avg")[0]))
     medians = comm.allgather_object({label: float(np.median(t)) for label, t in times.items()})
     params = sum(p.numel() for p in runners[0][2].parameters())
     first = runners[0][0]
@@ -191,12 +228,12 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
     for label, _, model in runners:
         median = max(m[label] for m in medians)
         mine, ref = per_step[label], per_step[first]
-        loss = comm.allreduce(np.array([evaluate(model, corpus, batches=4, batch=16)]), "avg")[0]
         rows.append({"config": label, "ranks": comm.size, "params": params, "step_ms": median * 1e3,
                      "ratio_vs_fsdp": median / base, "MB_per_step": float(mine.sum()) / 1e6,
                      "rs_MB": float(mine[0]) / 1e6, "ag_MB": float(mine[1]) / 1e6, "ar_MB": float(mine[2]) / 1e6,
                      "rs_vs_first": float(mine[0] / ref[0]) if ref[0] else float("nan"),
-                     "bytes_vs_fp32": float(mine.sum() / ref.sum()), "val_loss": float(loss)})
+                     "bytes_vs_fp32": float(mine.sum() / ref.sum()), "val_loss": curves[label][-1],
+                     "val_curve": curves[label]})
     return rows
 
 
@@ -227,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of ``commwire bench fsdp``."""
     parser = argparse.ArgumentParser(prog="commwire bench fsdp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated, from: {', '.join(CONFIGS + HSDP_CONFIGS)}")
+                        help="comma-separated; 'fsdp [bf16]', 'commwire [bf16] rs=<codec> ag=<codec>' (any codec spec, "
+                        f"either role optional) or 'hsdp [rs=<codec>] [ag=<codec>] [replicate=<codec>]'; default: {', '.join(CONFIGS)}")
     parser.add_argument("--hsdp", action="store_true",
                         help="run the HSDP configurations instead (4 ranks: 2 replicas x 2 shards)")
     parser.add_argument("--d-model", type=int, default=256, help="transformer width (default 256)")
@@ -236,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round (default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--batches", type=int, default=8,
+                        help="distinct training batches per rank, cycled (default 8; raise it for a convergence run)")
     parser.add_argument("--seeds", type=int, default=3, help="run everything with seeds 0..N-1 (default 3)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser
@@ -246,15 +286,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     configs = HSDP_CONFIGS if args.hsdp else tuple(c.strip() for c in args.configs.split(",") if c.strip())
-    bad = [c for c in configs if c not in CONFIGS + HSDP_CONFIGS]
-    if bad or not configs:
-        parser.error(f"--configs {bad or args.configs!r}: choose from {', '.join(CONFIGS + HSDP_CONFIGS)}")
-    if min(args.d_model, args.layers, args.batch, args.context, args.steps, args.rounds, args.seeds) < 1 \
-            or args.d_model % 4:
-        parser.error("--d-model (a multiple of 4), --layers, --batch, --context, --steps, --rounds and --seeds "
-                     "must be >= 1")
+    if not configs:
+        parser.error(f"--configs {args.configs!r} names no configuration; e.g. {', '.join(CONFIGS[:3])}")
+    for label in configs:
+        try:
+            _parse(label)
+        except ValueError as exc:
+            parser.error(f"--configs: {exc}")
+    if min(args.d_model, args.layers, args.batch, args.context, args.steps, args.rounds, args.seeds,
+           args.batches) < 1 or args.d_model % 4:
+        parser.error("--d-model (a multiple of 4), --layers, --batch, --context, --steps, --rounds, --batches and "
+                     "--seeds must be >= 1")
     rows = over_seeds([run_fsdp_bench(configs=configs, d_model=args.d_model, layers=args.layers, batch=args.batch,
-                                      context=args.context, steps=args.steps, rounds=args.rounds, seed=seed)
+                                      context=args.context, steps=args.steps, rounds=args.rounds, seed=seed,
+                                      batches=args.batches)
                        for seed in range(args.seeds)], reference=configs[0], key="fsdp")
     from ..comm.runtime import world
 

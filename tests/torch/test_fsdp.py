@@ -36,3 +36,9 @@ def test_bench_combines_seeds_against_the_first_configuration():
     assert _parse("hsdp replicate=ef+nvfp4") == {"hsdp": True, "bf16": False, "rs": None, "ag": None,
                                                  "replicate": "ef+nvfp4"}
     assert _parse("commwire bf16 rs=ef+fp8-e4m3 ag=fp8-e4m3")["bf16"] is True
+    assert _parse("commwire rs=ef+hadamard+nvfp4")["rs"] == "ef+hadamard+nvfp4"
+    for bad, why in (("commwire ag=ef+fp8-e4m3", "error feedback"), ("dp", "expected 'fsdp"),
+                     ("fsdp rs=fp8-e4m3", "expected"), ("commwire", "names no codec"),
+                     ("commwire rs=fp9", "unknown codec 'fp9'")):
+        with pytest.raises(ValueError, match=why):
+            _parse(bad)
