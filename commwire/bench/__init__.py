@@ -24,8 +24,8 @@ from types import ModuleType
 
 __all__ = ["MODULES", "STUDIES", "registry"]
 
-MODULES = ("allreduce", "transports", "codecs", "glm", "torch_ddp", "grouped", "ddp", "fsdp", "agreement", "faults", "project",
-           "suite")
+MODULES = ("allreduce", "transports", "codecs", "glm", "torch_ddp", "grouped", "ddp", "fsdp", "agreement", "faults",
+           "project", "suite")
 """The benchmark modules of this package, in the order ``commwire bench --help`` lists them."""
 
 STUDIES = {"lordo": "commwire run -np N python benchmarks/lordo.py",

@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="commwire bench fsdp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="comma-separated; 'fsdp [bf16]', 'commwire [bf16] rs=<codec> ag=<codec>' (any codec spec, "
-                        f"either role optional) or 'hsdp [rs=<codec>] [ag=<codec>] [replicate=<codec>]'; default: {', '.join(CONFIGS)}")
+                        "either role optional) or 'hsdp [rs=<codec>] [ag=<codec>] [replicate=<codec>]'; default: "
+                        + ", ".join(CONFIGS))
     parser.add_argument("--hsdp", action="store_true",
                         help="run the HSDP configurations instead (4 ranks: 2 replicas x 2 shards)")
     parser.add_argument("--d-model", type=int, default=256, help="transformer width (default 256)")
