@@ -196,3 +196,26 @@ def test_hsdp_compressed_replicate_follows_native():
     peers = commwire.allgather_object(local.tobytes())
     assert peers[R] == peers[(R + 2) % 4]
     dist.barrier()
+
+
+def test_bench_fsdp_runs_every_kind_of_configuration():
+    from commwire.bench.fsdp import run_fsdp_bench
+
+    hsdp = ("hsdp", "hsdp rs=fp8-e4m3 ag=fp8-e4m3 replicate=ef+fp8-e4m3") if P == 4 else ()
+    configs = ("fsdp", "fsdp bf16", "commwire rs=ef+fp8-e4m3 ag=fp8-e4m3", "commwire rs=nvfp4", *hsdp)
+    rows = run_fsdp_bench(configs=configs, d_model=16, layers=1, batch=2, context=8, steps=2, rounds=2, batches=3)
+    by = {r["config"]: r for r in rows}
+    assert [r["config"] for r in rows] == list(configs)
+    for r in rows:
+        assert len(r["val_curve"]) == 2 and np.isfinite(r["val_curve"]).all() and r["val_loss"] == r["val_curve"][-1]
+        assert r["step_ms"] > 0
+    # FSDP's FP32 reduce-scatter sends (P-1)/P of its input, its all-gather the rank's shard; bf16 halves both;
+    # commwire's FP8 sends a byte per element plus a scale and a flag byte per message.
+    assert by["fsdp"]["rs_MB"] > 0 and by["fsdp"]["ag_MB"] > 0 and by["fsdp"]["ar_MB"] == 0
+    assert abs(by["fsdp bf16"]["bytes_vs_fp32"] - 0.5) < 1e-9
+    fp8 = by["commwire rs=ef+fp8-e4m3 ag=fp8-e4m3"]
+    assert 0.24 < fp8["rs_vs_first"] < 0.30 and 0.24 < fp8["bytes_vs_fp32"] < 0.30
+    assert by["commwire rs=nvfp4"]["ag_MB"] == by["fsdp"]["ag_MB"]  # FSDP's own all-gather, seen by the wrapper
+    if hsdp:
+        native, ours = by["hsdp"], by[hsdp[1]]
+        assert native["ar_MB"] > 0 and 0.24 < ours["ar_MB"] / native["ar_MB"] < 0.30

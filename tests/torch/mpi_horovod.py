@@ -366,7 +366,6 @@ def test_reducescatter_gradient_and_errors():
         hvd.reducescatter(torch.ones(P), op=hvd.Adasum)
 
 
-
 @pytest.mark.parametrize("compression", ["ef+fp8-e4m3", "fp16-compressor", "nvfp4"])
 def test_reducescatter_and_allgather_with_compression(compression):
     comp = hvd.Compression.fp16 if compression == "fp16-compressor" else compression
@@ -397,6 +396,7 @@ def test_reducescatter_and_allgather_with_compression(compression):
     if compression == "ef+fp8-e4m3":
         with pytest.raises(ValueError, match="error feedback compensates sums"):
             hvd.allgather(shard, compression="ef+fp8-e4m3")
+
 
 def test_sparse_allreduce_async():
     dense = torch.zeros(6, 2)
@@ -468,7 +468,6 @@ def test_join_counts_joined_ranks_as_zeros():
         assert last != first or P == 1
 
 
-
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
 def test_join_while_other_ranks_reduce_asynchronously(dtype):
     # The joined rank moves zeros from its own thread while the others' all-reduces run on
@@ -489,6 +488,7 @@ def test_join_while_other_ranks_reduce_asynchronously(dtype):
         assert hvd.allgather_object(last) == [last] * P
         assert last != first or P == 1
 
+
 # ------------------------------------------------------------------ init() as a synchronisation point
 @pytest.mark.parametrize("behind", ["blocking", "async", "ahead"])
 def test_init_brings_ranks_a_failure_left_apart_back_in_step(behind):
@@ -500,7 +500,8 @@ def test_init_brings_ranks_a_failure_left_apart_back_in_step(behind):
     odd = (R == P - 1) != (behind == "ahead")
     if odd:
         for i in range(2):
-            with pytest.raises(commwire.CollectiveMismatchError, match=r"wait in resync \(commwire.torch.init\(\) called again\) for every rank"):
+            with pytest.raises(commwire.CollectiveMismatchError,
+                               match=r"wait in resync \(commwire.torch.init\(\) called again\) for every rank"):
                 if behind == "async":
                     hvd.synchronize(hvd.allreduce_async(torch.ones(4), name=f"behind.{i}"))
                 else:
@@ -516,7 +517,8 @@ def test_barrier_pairs_with_ranks_waiting_in_init():
     if P == 1:
         pytest.skip("needs two ranks")
     if R == 0:
-        with pytest.raises(commwire.CollectiveMismatchError, match=r"wait in resync(.|\n)*rank 0: collective 'barrier'"):
+        with pytest.raises(commwire.CollectiveMismatchError,
+                           match=r"wait in resync(.|\n)*rank 0: collective 'barrier'"):
             hvd.barrier()
     hvd.init()
     hvd.barrier()

@@ -27,7 +27,10 @@ def test_bench_combines_seeds_against_the_first_configuration():
     runs = [[row("fsdp", 600.0, 3.20, 9.0, 6.0), row("commwire rs=fp8-e4m3 ag=fp8-e4m3", 400.0, 3.21, 2.25, 1.5)],
             [row("fsdp", 660.0, 3.24, 9.0, 6.0), row("commwire rs=fp8-e4m3 ag=fp8-e4m3", 420.0, 3.30, 2.25, 1.5)],
             [row("fsdp", 630.0, 3.22, 9.0, 6.0), row("commwire rs=fp8-e4m3 ag=fp8-e4m3", 380.0, 3.24, 2.25, 1.5)]]
+    runs[0][1]["val_curve"], runs[1][1]["val_curve"], runs[2][1]["val_curve"] = [3.5, 3.21], [3.4, 3.30], [3.6, 3.24]
     fsdp_row, fp8 = over_seeds(runs, reference="fsdp", key="fsdp")
+    assert fp8["val_curves"] == [[3.5, 3.21], [3.4, 3.30], [3.6, 3.24]] and "val_curve" not in fp8
+    assert "val_curves" not in fsdp_row
     assert fsdp_row["step_ms"] == 630.0 and fsdp_row["val_loss_range"] == (3.20, 3.24)
     assert fp8["rs_vs_first"] == 0.25 and abs(fp8["bytes_vs_fp32"] - 0.25) < 1e-12
     assert fp8["within_fsdp_range"] is False  # mean 3.25 > FSDP's worst seed 3.24
