@@ -105,8 +105,7 @@ def _parse(label: str) -> dict[str, Any]:
     A label is ``fsdp``, ``hsdp`` or ``commwire``, then optionally ``bf16``, then ``rs=<codec>``,
     ``ag=<codec>`` and (``hsdp``) ``replicate=<codec>``, any codec spec that the role accepts.
     """
-    from ..codecs.sharded import check_sharded_codec
-    from ..codecs.collective import resolve_codec
+    from ..torch.fsdp import FSDPCompression
 
     words = label.split()
     kind = words[0] if words else ""
@@ -121,14 +120,14 @@ def _parse(label: str) -> dict[str, Any]:
                 f"configuration {label!r}: expected 'fsdp [bf16]', 'commwire [bf16] rs=<codec> ag=<codec>' (either "
                 "role may be left out) or 'hsdp [bf16] [rs=<codec>] [ag=<codec>] [replicate=<codec>]', e.g. "
                 f"'commwire rs=ef+hadamard+nvfp4 ag=fp8-e4m3'; the known ones: {', '.join(CONFIGS + HSDP_CONFIGS)}")
-        try:
-            check_sharded_codec(spec, {"rs": "reduce_scatter", "ag": "allgather"}[role]) if role != "replicate" \
-                else resolve_codec(spec)
-        except ValueError as exc:
-            raise ValueError(f"configuration {label!r}: {exc}") from None
         roles[role] = spec
     if kind == "commwire" and not roles:
         raise ValueError(f"configuration {label!r} names no codec: add rs=<codec> and/or ag=<codec>")
+    try:  # the checks compress() makes, on fresh codecs (the shared per-spec cache stays untouched)
+        FSDPCompression({"reduce_scatter": roles.get("rs"), "all_gather": roles.get("ag"),
+                         "replicate": roles.get("replicate")}, "torch", None)
+    except ValueError as exc:
+        raise ValueError(f"configuration {label!r}: {exc}") from None
     return {"hsdp": kind == "hsdp", "bf16": "bf16" in words, "rs": roles.get("rs"), "ag": roles.get("ag"),
             "replicate": roles.get("replicate")}
 
@@ -158,7 +157,9 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
     from ..comm.runtime import world
 
     comm = world()
-    if any(_parse(c)["hsdp"] for c in configs) and comm.size != 4:
+    how_of = {label: _parse(label) for label in configs}
+    hsdp = any(how["hsdp"] for how in how_of.values())
+    if hsdp and comm.size != 4:
         raise ValueError(f"the HSDP configurations need 4 ranks (2 replicas x 2 shards), this job has {comm.size}; "
                          "run with -np 4 or leave out --hsdp")
     corpus = Corpus.load()
@@ -166,11 +167,9 @@ def run_fsdp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 256, la
     gen = torch.Generator().manual_seed(1000 * seed + comm.rank)
     data = [corpus.batch("train", batch=batch, context=context, generator=gen) for _ in range(batches)]
     counted = _Counted(comm.size)
-    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if comm.size == 4 and any(
-        _parse(c)["hsdp"] for c in configs) else None
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     runners: list[tuple[str, Callable[[int], None], Any]] = []
-    for label in configs:
-        how = _parse(label)
+    for label, how in how_of.items():
         model = make_lm(cfg, seed=seed)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if how["bf16"] \
             else MixedPrecisionPolicy()
