@@ -18,6 +18,10 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | COMMWIRE_ON_STALL | abort/warn | what the watchdog does after its report (default abort) |
 | COMMWIRE_CODEC_THREADS | int | CPU threads per rank for codec kernels (default, or 0: cores / ranks on the node) |
 | COMMWIRE_TRANSPORT | mpi/torch | what carries the world's data: MPI (default) or torch.distributed (gloo, NCCL) |
+| COMMWIRE_ELASTIC | ulfm/relaunch | set by ``commwire run``'s elastic options: how a lost peer is re-formed |
+| COMMWIRE_ELASTIC_DIR | path | set by ``commwire run`` (elastic): host notices and each host's kept commit |
+| COMMWIRE_ELASTIC_VERSION | int | set by ``commwire run`` (elastic): the host-update version the job started at |
+| COMMWIRE_HOST | name | the host name elastic jobs use for this process (default: network namespace, hostname) |
 
 The Horovod adapter (``commwire.torch``) also honours the Horovod variables in
 :data:`HOROVOD_VARIABLES` (read with the same helpers, at ``hvd.init()``), so a
@@ -46,6 +50,10 @@ VARIABLES = (
     "COMMWIRE_ON_STALL",
     "COMMWIRE_CODEC_THREADS",
     "COMMWIRE_TRANSPORT",
+    "COMMWIRE_ELASTIC",
+    "COMMWIRE_ELASTIC_DIR",
+    "COMMWIRE_ELASTIC_VERSION",
+    "COMMWIRE_HOST",
 )
 
 HOROVOD_VARIABLES = {

@@ -74,13 +74,29 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
 @click.option("--no-wrap", is_flag=True, help="run the command as is: no abort-on-error wrapper, no tags")
 @click.option("--verbose", is_flag=True, help="print the launch command and the environment it adds")
 @click.option("--dry-run", is_flag=True, help="print the launch command instead of running it")
+@click.option("--min-np", type=click.IntRange(min=1), help="elastic: the fewest ranks training goes on with")
+@click.option("--max-np", type=click.IntRange(min=1), help="elastic: the most ranks the job grows to")
+@click.option("--host-discovery-script", metavar="COMMAND",
+              help="elastic: prints the available hosts, one host[:slots] per line (polled every second)")
+@click.option("--slots-per-host", "--slots", type=click.IntRange(min=1),
+              help="elastic: slots of a host the discovery script prints without them (default 1)")
+@click.option("--elastic-timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
+              help="elastic: end the job when fewer than --min-np slots stay available this long")
+@click.option("--reset-limit", type=click.IntRange(min=0), help="elastic: end the job after this many resets")
+@click.option("--blacklist-cooldown-range", type=(float, float), metavar="LOW HIGH",
+              help="elastic: a failed host may come back after a random LOW..HIGH seconds (default: never)")
+@click.option("--elastic-mode", type=click.Choice(["relaunch", "ulfm"]), default="relaunch", show_default=True,
+              help="elastic: re-form a lost host by relaunching the job, or in process (Open MPI --with-ft ulfm)")
+@click.option("--reset-log", type=click.Path(dir_okay=False), help="elastic: append each reset as a JSON line")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, env_pairs: tuple[str, ...],
         mpi_args: str, output_dir: str | None, timeline: str | None, fusion_threshold_mb: int | None,
         cycle_time_ms: float | None, start_timeout: float, tag_output: bool, check: bool,
         launcher_kind: str | None, lab: bool, no_wrap: bool, verbose: bool, dry_run: bool,
-        command: tuple[str, ...]) -> None:
+        min_np: int | None, max_np: int | None, host_discovery_script: str | None, slots_per_host: int | None,
+        elastic_timeout: float, reset_limit: int | None, blacklist_cooldown_range: tuple[float, float] | None,
+        elastic_mode: str, reset_log: str | None, command: tuple[str, ...]) -> None:
     """Run COMMAND on N ranks through the MPI launcher found (MPICH, Open MPI, Intel MPI, Slurm).
 
     Takes horovodrun's options with their meaning. Each line a rank prints is
@@ -103,6 +119,18 @@ def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, e
     options = (["--tag-output"] if tag_output else []) + (
         ["--output-dir", os.path.abspath(output_dir)] if output_dir else [])
     cmd = list(command) if no_wrap else launch.wrap_program(command, options)
+    if min_np is not None or max_np is not None or host_discovery_script is not None:
+        if no_wrap or dry_run:
+            raise _Refused("elastic mode needs the per-rank wrapper and a real launch; drop --no-wrap/--dry-run")
+        from ..elastic.driver import ElasticOptions
+
+        opts = ElasticOptions(np=np_ if ctx.get_parameter_source("np_").name != "DEFAULT" else None,
+                              min_np=min_np or 1, max_np=max_np, discovery_script=host_discovery_script,
+                              slots_per_host=slots_per_host, elastic_timeout=elastic_timeout,
+                              reset_limit=reset_limit, cooldown=blacklist_cooldown_range, mode=elastic_mode,
+                              reset_log=reset_log)
+        sys.exit(_run_elastic(opts, command, cmd, env, hosts=hosts, hostfile=hostfile, launcher_kind=launcher_kind,
+                              lab=lab, mpi_args=shlex.split(mpi_args), verbose=verbose))
     try:
         argv, env, local = _launch_argv(np_, command, cmd, env, hosts=hosts, hostfile=hostfile,
                                         launcher_kind=launcher_kind, lab=lab, mpi_args=shlex.split(mpi_args),
@@ -123,6 +151,58 @@ def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, e
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
     sys.exit(_run_and_report(argv, env, np_, start_timeout=watch, summarize=wrapped))
+
+
+def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[str, str], *, hosts: str | None,
+                 hostfile: str | None, launcher_kind: str | None, lab: bool, mpi_args: list[str],
+                 verbose: bool) -> int:
+    """Run ``cmd`` under the elastic driver (commwire.elastic.driver); return the job's exit status."""
+    import shlex
+
+    from ..elastic.driver import DiscoveryError, Driver
+
+    try:
+        if lab and (hosts or hostfile or launcher_kind):
+            raise ValueError("--lab chooses the hosts and launcher itself; drop -H/--hostfile/--launcher")
+        if lab:
+            from .. import lab as lab_mod
+
+            spec = lab_mod.status()
+            if spec is None:
+                raise ValueError("the lab is not up; start it with: commwire lab up --hosts 4")
+            opts.hosts = [(name, opts.slots_per_host or 1) for name in spec.names]
+        elif hosts or hostfile:
+            opts.hosts = launch.parse_hosts(hosts) if hosts else launch.parse_hostfile(hostfile)  # type: ignore[arg-type]
+        launcher = None if lab else launch.find_launcher("openmpi" if opts.mode == "ulfm" else launcher_kind)
+        if opts.mode == "ulfm" and lab:
+            raise ValueError("--elastic-mode ulfm needs Open MPI's mpirun; the lab launches with MPICH's Hydra: "
+                             "use --elastic-mode relaunch with --lab")
+        launch.check_command(command, env={**os.environ, **env})
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    extra = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1"] if opts.mode == "ulfm" else []
+
+    def start(used: list[tuple[str, int]], np_: int, elastic_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        job_env = {**env, **elastic_env}
+        if lab:
+            from .. import lab as lab_mod
+
+            prefix, lab_env = lab_mod.launch_args(np_, {**os.environ, **job_env}, hosts=used)
+            argv = prefix + mpi_args + cmd
+            job_env = {k: v for k, v in lab_env.items() if os.environ.get(k) != v}
+        else:
+            assert launcher is not None
+            argv = launch.build_command(launcher, np_, cmd, hosts=",".join(f"{h}:{s}" for h, s in used),
+                                        env=job_env, mpi_args=extra + mpi_args)
+        if verbose:
+            click.echo(f"commwire run: launcher command: {shlex.join(argv)}", err=True)
+        return argv, job_env
+
+    try:
+        driver = Driver(opts, start, _spawn, lambda line: click.echo(line, err=True))
+        return driver.run()
+    except (DiscoveryError, RuntimeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _horovodrun_env(timeline: str | None, fusion_threshold_mb: int | None, cycle_time_ms: float | None,

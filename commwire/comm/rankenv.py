@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks"]
+__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks", "host_id"]
 
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     # MPICH/Intel MPI (Hydra, PMI), Open MPI, Slurm (srun), PMIx (Open MPI 5, srun --mpi=pmix)
@@ -60,3 +60,25 @@ def launcher_ranks(environ: Mapping[str, str] | None = None) -> LauncherRanks:
         local_rank=_first_number(LAUNCHER_VARIABLES["local_rank"], env, 0),
         local_size=_first_number(LAUNCHER_VARIABLES["local_size"], env, 1),
     )
+
+
+def host_id() -> str:
+    """Return the name of the host this process runs on.
+
+    COMMWIRE_HOST if set; else the network namespace the process runs in, when it
+    is a named one (the emulated lab's hosts share one machine and one hostname);
+    else the hostname.
+    """
+    import socket
+
+    named = os.environ.get("COMMWIRE_HOST")
+    if named:
+        return named
+    try:
+        mine = os.stat("/proc/self/ns/net").st_ino
+        for name in sorted(os.listdir("/run/netns")):
+            if os.stat(os.path.join("/run/netns", name)).st_ino == mine:
+                return name
+    except OSError:
+        pass
+    return socket.gethostname()

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import time
 from typing import Any
 
 from .. import _config
-from .rankenv import launcher_ranks
+from .rankenv import host_id, launcher_ranks
 
-__all__ = ["record", "start_guardian", "summarize", "env_rank"]
+__all__ = ["record", "start_guardian", "summarize", "read_statuses", "env_rank"]
 
 
 def env_rank() -> str:
@@ -37,7 +36,7 @@ def record(status: str, detail: str = "") -> None:
     if not run_dir or not os.path.isdir(run_dir):
         return
     rank = env_rank()
-    entry = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "status": status, "detail": detail}
+    entry = {"rank": rank, "pid": os.getpid(), "host": host_id(), "status": status, "detail": detail}
     path = os.path.join(run_dir, f"rank-{rank}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -75,8 +74,8 @@ def start_guardian() -> None:
         os._exit(0)
 
 
-def summarize(run_dir: str, np_: int) -> list[str]:
-    """Return one line per rank that did not exit cleanly, the culprits first."""
+def read_statuses(run_dir: str) -> dict[str, dict[str, Any]]:
+    """Return each rank's last status entry (and ``died``: when its guardian saw it die), by rank."""
     entries: dict[str, dict[str, Any]] = {}
     for name in os.listdir(run_dir):
         path = os.path.join(run_dir, name)
@@ -90,6 +89,12 @@ def summarize(run_dir: str, np_: int) -> list[str]:
                     entries.setdefault(name[len("death-"):], {})["died"] = float(fh.read())
         except (OSError, ValueError, KeyError):
             continue
+    return entries
+
+
+def summarize(run_dir: str, np_: int) -> list[str]:
+    """Return one line per rank that did not exit cleanly, the culprits first."""
+    entries = read_statuses(run_dir)
     silent = {r: e for r, e in entries.items() if e.get("status", "running") == "running" and "died" in e}
     reported = any(e.get("status") in ("raised", "failed", "stalled") for e in entries.values())
     first = None if reported or not silent else min(silent, key=lambda r: silent[r]["died"])

@@ -232,6 +232,24 @@ def finalize() -> None:
     _settings.clear()
 
 
+def replace_world(mpi_comm: Any) -> Communicator:
+    """Make ``mpi_comm`` commwire's world, with the settings the old world had (commwire.elastic).
+
+    For a world re-formed after a lost peer: the old world's communicators are
+    broken, so nothing collective runs on them (no timeline gather, no exit
+    announcement); they are dropped. Collective over ``mpi_comm``.
+    """
+    global _world
+    with _lock:
+        old, _world = _world, None
+        settings = dict(_settings)
+    if old is not None and old.watchdog is not None:
+        old.watchdog.close()
+    return init(comm=mpi_comm, check=old.check if old is not None else None, timeline=settings.get("timeline"),
+                cuda_aware=settings.get("cuda_aware"), timeout=settings.get("timeout"),
+                on_stall=settings.get("on_stall"), transport=settings.get("transport"))
+
+
 def _finalize_at_exit() -> None:
     # Registered after mpi4py's own exit hook, so it runs first (atexit is LIFO)
     # while MPI is still usable.

@@ -67,10 +67,13 @@ def _ready(spec: LabSpec | None) -> LabSpec:
     return spec
 
 
-def launch_args(np: int, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+def launch_args(np: int, env: Mapping[str, str],
+                hosts: list[tuple[str, int]] | None = None) -> tuple[list[str], dict[str, str]]:
     """Return the argv prefix and environment that run a command on *np* ranks across the lab.
 
     Append the user command to the prefix and run it with the returned environment.
+    *hosts* (lab host names and rank counts, as the elastic driver chooses them)
+    replaces the default placement over every lab host.
     mpiexec itself runs inside cw-h0 (so Hydra's proxies connect back to a lab
     address, and the root namespace needs none); Hydra starts the other hosts'
     proxies through the lab's ssh shim. Ranks are placed in blocks (see `placement`).
@@ -79,6 +82,11 @@ def launch_args(np: int, env: Mapping[str, str]) -> tuple[list[str], dict[str, s
     """
     ip = require_tools()["ip"]
     spec = _ready(status())
+    if hosts is not None:
+        unknown = [h for h, _ in hosts if h not in spec.names]
+        if unknown or sum(c for _, c in hosts) != np:
+            raise ValueError(f"lab hosts {hosts} do not fit: unknown {unknown}, lab has {', '.join(spec.names)}; "
+                             f"the counts must add up to {np}")
     counts = placement(np, spec.hosts)
     out = dict(env)
     bindir = os.path.dirname(sys.executable)
@@ -93,9 +101,11 @@ def launch_args(np: int, env: Mapping[str, str]) -> tuple[list[str], dict[str, s
     # the first host; gloo must also use the lab interface, not loopback.
     out["MASTER_ADDR"] = spec.addresses[0]
     out["GLOO_SOCKET_IFNAME"] = HOST_IFACE
-    hostlist = ",".join(f"{name}:{count}" for name, count in zip(spec.names, counts))
+    chosen = hosts if hosts is not None else list(zip(spec.names, counts))
+    hostlist = ",".join(f"{name}:{count}" for name, count in chosen)
+    out["MASTER_ADDR"] = spec.addresses[spec.names.index(chosen[0][0])]
     argv = [
-        ip, "netns", "exec", spec.names[0], _mpiexec(out),
+        ip, "netns", "exec", chosen[0][0], _mpiexec(out),
         "-launcher", "ssh", "-launcher-exec", spec.shim,
         "-hosts", hostlist, "-n", str(np),
     ]

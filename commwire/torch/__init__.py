@@ -93,12 +93,13 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from . import elastic  # noqa: E402 - hvd.elastic, as horovod.torch has it
 
 __all__ = [
     "Adasum", "Average", "CodecCompressor", "Compression", "Compressor", "DDPHookState", "DiLoCo",
     "DistributedOptimizer",
     "FP16Compressor", "HorovodInternalError", "LoRDO", "LowRankAdam", "Max", "Min", "NoneCompressor",
-    "ProcessSet", "Product", "Sum", "SyncBatchNorm",
+    "ProcessSet", "Product", "Sum", "SyncBatchNorm", "elastic",
     "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",

@@ -297,6 +297,26 @@ def shutdown() -> None:
     runtime.finalize()
 
 
+def rebuild_after_reform() -> None:
+    """Rebuild the global process set on commwire's re-formed world (commwire.elastic, in process).
+
+    The old sets' communicators were revoked by the re-forming: their lanes are
+    stopped without any collective, the registry is emptied (sets added with
+    ``add_process_set`` must be added again) and ``init()`` builds the global set
+    on the survivors.
+    """
+    from ..comm.lane import close_lane
+
+    with _lock:
+        for ps in list(_sets.values()):
+            if ps.comm is not None:
+                close_lane(ps.comm)
+            ps.process_set_id, ps.comm = None, None
+        _sets.clear()
+        _state.clear()
+    init()
+
+
 def is_initialized() -> bool:
     """Return whether ``init()`` has been called (and not shut down)."""
     return runtime.is_initialized() and "world" in _state

@@ -158,18 +158,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fusion: FusionBuffer | None = None
         if self.comm is None or op == "adasum":
             return  # not a member of the process set (steps locally), or Adasum (reduces deltas in step())
-        self._fusion = FusionBuffer(
-            [(n, p) for n, p in self._named],
-            comm=self.comm,
-            op="sum" if self._predivide != 1.0 else op,
-            codec=codec,
-            compressor=compressor,
-            threshold_bytes=int(fusion_threshold_mb * _MB),
-            first_bucket_bytes=int(first_bucket_mb * _MB),
-            overlap=overlap,
-            postscale=self._predivide / self.comm.size if self._predivide != 1.0 else 1.0,
-            groups=_named_groups(groups, self._named),
-        )
+        self._given_comm = comm
+        self._fusion_args = dict(codec_spec=codec_spec, compressor=compressor, threshold=int(fusion_threshold_mb * _MB),
+                                 first=int(first_bucket_mb * _MB), overlap=overlap,
+                                 groups=_named_groups(groups, self._named))
+        self._fusion = self._make_fusion(codec)
         # GIFT (commwire/torch/gift.py): hook the model's nn.Linear inputs, refresh every K steps.
         from .gift import attach, find_gift
 
@@ -179,6 +172,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  "nn.Module being trained> to DistributedOptimizer")
             attach(model, self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in self._named]
+
+    def _make_fusion(self, codec: Any) -> FusionBuffer:
+        a = self._fusion_args
+        assert self.comm is not None
+        return FusionBuffer(
+            [(n, p) for n, p in self._named],
+            comm=self.comm,
+            op="sum" if self._predivide != 1.0 else self.op,
+            codec=codec,
+            compressor=a["compressor"],
+            threshold_bytes=a["threshold"],
+            first_bucket_bytes=a["first"],
+            overlap=a["overlap"],
+            postscale=self._predivide / self.comm.size if self._predivide != 1.0 else 1.0,
+            groups=a["groups"],
+        )
+
+    def _rebind(self) -> None:
+        """Bind to commwire's re-formed world (commwire.elastic) with fresh codec state.
+
+        The old buckets' collectives were cut off by the re-forming; error-feedback residuals
+        were each rank's share of a sum over the old world, so they start again from zero.
+        """
+        if self._given_comm is not None or self._fusion is None:
+            return  # an explicit communicator, Adasum or a non-member: nothing bound to the world
+        from ..codecs import get
+
+        spec = self._fusion_args["codec_spec"]
+        codec = None if spec is None else get(spec) if isinstance(spec, str) else spec
+        for stage in getattr(codec, "stages", ()) if not isinstance(spec, str) else ():
+            stage.state.clear()
+        self.comm, self.process_set = _resolve_comm(None, self.process_set)
+        self._fusion = self._make_fusion(codec)
+        self._synchronized = False
+        for p in self._passes:
+            self._passes[p] = 0
 
     def _init_hook_dicts(self) -> None:
         # torch.optim.Optimizer machinery that LR schedulers and profilers touch.

@@ -38,6 +38,8 @@ LAYERS = {
     "commwire.optim": 3,
     "commwire.checkpoint": 3,
     "commwire.costmodel": 3,
+    # elastic state and its driver: above the core, used by the adapters and the launcher
+    "commwire.elastic": 3,
     # adapters: PyTorch, GLM solvers
     "commwire.torch": 4,
     "commwire.glm": 4,
