@@ -4,7 +4,8 @@ Trains an MLP regression (fixed synthetic data, the same on every rank; each
 rank takes its share through an ElasticSampler) with ``hvd.elastic.run``,
 committing every ``--commit-every`` steps. Rank 0 appends one JSON line per
 step to ``--log``: step, world size, loss, commit id, time, and whether every
-rank's parameters are bit-identical (a hash all-gathered after each step).
+rank's parameters are bit-identical (a hash all-gathered after each step, and
+after each sync: LoRDO's replicas differ between its periodic syncs by design).
 ``--die-at STEP --die-rank R`` makes rank R kill itself with SIGKILL at that
 step of the first launch (a lost host, for tests without a lab).
 
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--commit-every", type=int, default=5)
     parser.add_argument("--compression", default="ef+fp8-e4m3", help="a commwire codec spec, or none")
-    parser.add_argument("--optimizer", choices=("sgd", "lordo"), default="sgd")
+    parser.add_argument("--optimizer", choices=("sgd", "lordo", "glm"), default="sgd",
+                        help="DistributedOptimizer(SGD), LoRDO, or GLM(solver='casgd') one epoch per step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
@@ -48,8 +50,69 @@ def _digest(model: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def _log(path: str, rank: int) -> Any:
+    log = open(path, "a", encoding="utf-8") if rank == 0 else None
+
+    def emit(entry: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+    return emit
+
+
+def _glm_main(args: argparse.Namespace) -> None:
+    """GLM(solver="casgd") under commwire.elastic: one epoch per step, warm-started from the last commit."""
+    import numpy as np
+
+    import commwire
+    from commwire import elastic
+    from commwire.glm import GLM
+
+    comm = commwire.init()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4096, 32))
+    y = (x @ rng.normal(size=32) + 0.5 * rng.normal(size=4096) > 0).astype(np.int64)
+    first_launch = os.environ.get("COMMWIRE_ELASTIC_VERSION", "0") == "0"
+    born_as = comm.rank
+    emit = _log(args.log, comm.rank)
+    state = elastic.ObjectState(coef=np.zeros(32), intercept=None, step=0)
+
+    def agree() -> bool:
+        world = commwire.world()
+        return len(set(world.allgather_object(hashlib.sha256(state.coef.tobytes()).hexdigest()))) == 1
+
+    @elastic.run
+    def train(state: Any) -> None:
+        world = commwire.world()
+        emit({"event": "synced", "size": world.size, "time": time.time(), "step": state.step,
+              "commit": state.commit_id, "agree": agree()})
+        while state.step < args.steps:
+            if first_launch and args.die_at is not None and state.step == args.die_at and born_as == args.die_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            model = GLM(loss="logistic", solver="casgd", s=8, batch_size=args.batch, lr=args.lr * 10, max_iter=1,
+                        tol=None, random_state=args.seed * 1000 + state.step)
+            model.fit(x, y, coef_init=state.coef, intercept_init=state.intercept)
+            state.coef, state.intercept = model.coef_.ravel().copy(), float(model.intercept_[0])
+            state.step += 1
+            emit({"event": "step", "step": state.step, "size": world.size, "loss": model.loss_curve_[-1],
+                  "time": time.time(), "agree": agree(), "commit": state.commit_id})
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if state.step % args.commit_every == 0:
+                state.commit()
+                emit({"event": "commit", "step": state.step, "commit": state.commit_id, "time": time.time()})
+
+    train(state)
+    emit({"event": "done", "step": state.step, "size": commwire.world().size, "time": time.time(),
+          "digest": hashlib.sha256(state.coef.tobytes()).hexdigest()[:16]})
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.optimizer == "glm":
+        _glm_main(args)
+        return
     import torch
 
     import commwire.torch as hvd
@@ -62,26 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     y = torch.tanh(x @ w_true) + 0.05 * torch.randn(n, 1, generator=torch.Generator().manual_seed(3))
     dataset = torch.utils.data.TensorDataset(x, y)
     model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1))
-    base: Any
     if args.optimizer == "lordo":
-        base = torch.optim.SGD(model.parameters(), lr=args.lr)
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=hvd.Compression.none)
+        codec = None if args.compression == "none" else args.compression.removeprefix("ef+")
+        opt = hvd.LoRDO(model.named_parameters(), lr=args.lr / 10, rank=4, sync_every=4, codec=codec)
     else:
-        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         codec = None if args.compression == "none" else args.compression
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+                                       named_parameters=model.named_parameters(),
                                        compression=codec or hvd.Compression.none)
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=args.seed)
     state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, epoch=0)
     first_launch = os.environ.get("COMMWIRE_ELASTIC_VERSION", "0") == "0"
     born_as = hvd.rank()  # the rank this process started as: a re-formed world renumbers the survivors
-    log = open(args.log, "a", encoding="utf-8") if hvd.rank() == 0 else None
-
-    def emit(entry: dict[str, Any]) -> None:
-        if log is not None:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
+    emit = _log(args.log, hvd.rank())
 
     def on_reset() -> None:
         emit({"event": "reset", "size": hvd.size(), "time": time.time(), "step": state.step})
@@ -91,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
 
     @hvd.elastic.run
     def train(state: Any) -> None:
+        synced = hvd.allgather_object(_digest(model))
         emit({"event": "synced", "size": hvd.size(), "time": time.time(), "step": state.step,
-              "commit": state.commit_id})
+              "commit": state.commit_id, "agree": len(set(synced)) == 1})
         while state.step < args.steps:
             loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, sampler=state.sampler)
             for batch_idx, (xb, yb) in enumerate(loader):

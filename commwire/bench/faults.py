@@ -15,6 +15,11 @@ Scenarios (each a real ``commwire run`` job of real MPI processes):
   Each step's data depends only on (step, rank), so the final parameters and
   the whole optimizer state (moments, error-feedback residuals, schedule state)
   must hash bit-identically, on every rank, to an uninterrupted run's.
+- ``elastic-kill`` / ``elastic-cut`` / ``elastic-add``: an elastic job on the lab
+  (``commwire run --lab --min-np 2 --max-np 4 --host-discovery-script``) loses a
+  host (``kill -9`` of its processes; its link cut) or gains one, and must go on
+  without losing a committed step, with replicas that agree
+  (commwire.bench._elastic_faults; ``--elastic-job sgd|lordo|glm``).
 
 The failing rank is drawn at random per repetition. A repetition passes when the
 job exits non-zero within its deadline (timeout + 10 s; a resume job: a watchdog
@@ -23,7 +28,8 @@ and no process of the job is left afterwards; a resume scenario also needs the
 restarted job to finish from a checkpoint with the reference hashes.
 
 Run: ``commwire bench faults --repeats 20`` (add ``--scenarios linkcut`` with a lab up,
-``--scenarios resume-ef,resume-lordo`` for the crash-and-resume runs).
+``--scenarios resume-ef,resume-lordo`` for the crash-and-resume runs,
+``--scenarios elastic-kill,elastic-cut,elastic-add`` with a lab of 4 hosts up).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import tempfile
 import time
 from typing import Any
 
+from ._elastic_faults import ELASTIC_SCENARIOS, format_elastic_table, reference_losses, run_elastic
 from ._progress import Steps
 from ._report import emit
 
@@ -143,7 +150,7 @@ _RESUME_WATCHDOG = 30.0  # at least: the victim's death is reported by `commwire
 # and a short one would only trip on ranks still importing torch on a loaded machine
 _IMPORT_SLACK = 90.0  # extra seconds per resume job: importing torch and commwire on every rank
 
-SCENARIOS = ("kill9", "raise", "stall", "linkcut", "resume-ef", "resume-lordo")
+SCENARIOS = ("kill9", "raise", "stall", "linkcut", "resume-ef", "resume-lordo") + ELASTIC_SCENARIOS
 _EXPECT = {
     "kill9": r"rank {r} \(pid \d+ on [^)]+\): died first",
     "raise": r"rank {r} \(pid \d+ on [^)]+\): raised RuntimeError: injected failure on rank {r}",
@@ -291,7 +298,8 @@ def _cumulative(counts: list[int]) -> list[int]:
 
 
 def run_fault_bench(scenarios: list[str], *, repeats: int = 20, np_: int = 4, timeout: float = 3.0,
-                    seed: int = 0, quiet: bool = False) -> list[dict[str, Any]]:
+                    seed: int = 0, quiet: bool = False, elastic_job: str = "sgd",
+                    elastic_steps: int = 250) -> list[dict[str, Any]]:
     """Run every scenario ``repeats`` times with a random victim; return one record per run."""
     bad = [s for s in scenarios if s not in SCENARIOS]
     if bad:
@@ -306,7 +314,9 @@ def run_fault_bench(scenarios: list[str], *, repeats: int = 20, np_: int = 4, ti
                 victim = rng.randrange(np_)
                 index = len(records)
                 steps.start(index, f"{scenario} #{i + 1} (victim rank {victim})")
-                if reference is None:
+                if scenario in ELASTIC_SCENARIOS:
+                    records.append(run_elastic(scenario, seed + i, job=elastic_job, steps=elastic_steps))
+                elif reference is None:
                     records.append(_one(scenario, np_, victim, timeout, workdir))
                 else:  # killed at a step after the first checkpoint, never after the last step
                     records.append(_one_resume(scenario, np_, victim, rng.randrange(_EVERY, _STEPS), timeout,
@@ -323,7 +333,7 @@ def format_table(records: list[dict[str, Any]], timeout: float) -> str:
     lines = ["| scenario | runs | passed | hangs | rank named | orphans | max seconds (deadline) | "
              "resumed bit-identical |",
              "|---|---|---|---|---|---|---|---|"]
-    for scenario in dict.fromkeys(r["scenario"] for r in records):
+    for scenario in dict.fromkeys(r["scenario"] for r in records if r["scenario"] not in ELASTIC_SCENARIOS):
         rs = [r for r in records if r["scenario"] == scenario]
         same = f"{sum(r['identical'] for r in rs)}/{len(rs)}" if scenario in _RESUME else "-"
         lines.append(f"| {scenario} | {len(rs)} | {sum(r['ok'] for r in rs)} | {sum(r['hung'] for r in rs)} | "
@@ -340,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--np", dest="np_", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=3.0, help="watchdog timeout inside the jobs (s)")
+    parser.add_argument("--elastic-job", choices=("sgd", "lordo", "glm"), default="sgd",
+                        help="what the elastic scenarios train: DistributedOptimizer(ef+fp8-e4m3), LoRDO, GLM casgd")
+    parser.add_argument("--elastic-steps", type=int, default=250, help="steps of each elastic job")
+    parser.add_argument("--reference-seeds", type=int, default=3,
+                        help="uninterrupted elastic runs whose final-loss spread the elastic runs are held to")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--quiet", action="store_true", help="print only failures and the table")
     return parser
@@ -348,13 +363,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run the scenarios, print the table; exit 1 if any run failed."""
     args = build_parser().parse_args(argv)
-    records = run_fault_bench([s.strip() for s in args.scenarios.split(",") if s.strip()],
-                              repeats=args.repeats, np_=args.np_, timeout=args.timeout, quiet=args.quiet)
-    emit(format_table(records, args.timeout), records, args.json_path)
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    records = run_fault_bench(scenarios, repeats=args.repeats, np_=args.np_, timeout=args.timeout,
+                              quiet=args.quiet, elastic_job=args.elastic_job, elastic_steps=args.elastic_steps)
+    tables = []
+    if any(r["scenario"] not in ELASTIC_SCENARIOS for r in records):
+        tables.append(format_table(records, args.timeout))
+    if any(r["scenario"] in ELASTIC_SCENARIOS for r in records):
+        reference = {args.elastic_job: reference_losses(args.elastic_job, args.elastic_steps, args.reference_seeds)}
+        tables.append(format_elastic_table(records, reference))
+    emit("\n\n".join(tables), records, args.json_path)
     failed = [r for r in records if not r["ok"]]
     for r in failed[:3]:
         print(f"\nFAILED {r['scenario']} victim {r['victim']} (exit {r['exit']}, hung {r['hung']}, "
-              f"named {r['named']}, orphans {r['orphans']}):\n{r['stderr_tail']}", flush=True)
+              f"named {r.get('named', '-')}, orphans {r['orphans']}):\n{r.get('stderr_tail', '')}", flush=True)
     return 1 if failed else 0
 
 

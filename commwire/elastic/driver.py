@@ -13,6 +13,8 @@ script polled every second, minus hosts blacklisted for a cooldown), and:
   launched again on the others, which resume from the newest commit they hold;
 * a rank raised an exception: that is the program's error, not the cluster's —
   the job ends with it (relaunching would meet the same error);
+* the stall watchdog ended the job (a host cut off the network): the job is
+  launched again on the hosts the discovery script still lists;
 * fewer than ``min_np`` slots for longer than ``elastic_timeout``: the job ends
   with an error naming the hosts it had.
 
@@ -224,14 +226,16 @@ class Driver:
                 self.echo(f"commwire run: the job finished on {len(finished)} ranks "
                           f"({len(_silent(statuses))} lost and re-formed in process)")
                 return 0
-            raised = [e for e in statuses.values() if e.get("status") in ("raised", "failed", "stalled")]
+            raised = [e for e in statuses.values() if e.get("status") in ("raised", "failed")]
             restarted = any(e.get("status") == "restart" for e in statuses.values())
+            stalled = [e for e in statuses.values() if e.get("status") == "stalled"]
             if raised and not restarted:
                 return job.status  # the program's own error: `commwire run` reported it
-            lost = [] if restarted else _lost_hosts(statuses, used)
+            lost = [] if restarted or stalled else _lost_hosts(statuses, used)
             for host in lost:
                 self._blacklist(host)
             cause = ("hosts updated" if restarted else f"host lost: {', '.join(lost)}" if lost
+                     else f"stalled: {stalled[0].get('detail', '')[:120]}" if stalled
                      else f"job failed (status {job.status}) without a rank to blame")
             if self.opts.reset_limit is not None and len(self.resets) >= self.opts.reset_limit:
                 self.echo(f"commwire run: reset limit {self.opts.reset_limit} reached ({cause}); ending the job")

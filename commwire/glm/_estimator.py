@@ -169,11 +169,15 @@ class GLM(BaseEstimator):
             return ColumnBlocks(X=block.X, y=y, start=block.start, n_features=block.n_features)
         return from_array(_features(X), y, comm=comm)
 
-    def fit(self, X: Any, y: Any = None, *, comm: Any = None) -> GLM:
+    def fit(self, X: Any, y: Any = None, *, comm: Any = None, coef_init: Any = None,
+            intercept_init: Any = None) -> GLM:
         """Fit on the full X/y (every rank) or on this rank's ColumnBlocks; return self.
 
         X may be a scipy sparse matrix: each rank densifies its own column block, up to
-        ``SPARSE_DENSE_BYTES`` (1 GiB) per rank, and raises above that.
+        ``SPARSE_DENSE_BYTES`` (1 GiB) per rank, and raises above that. ``coef_init`` (all
+        ``n_features`` weights, as ``coef_``) and ``intercept_init`` start the fit from a
+        previous solution, as scikit-learn's SGD estimators take them (an elastic run goes
+        on from its last commit this way, whatever the number of ranks).
         """
         comm = default_comm(comm, init_if_needed=True)
         blocks = self._blocks(X, y, comm)
@@ -188,7 +192,15 @@ class GLM(BaseEstimator):
                               lr=self.lr, l2=self.l2, precision=self.precision, max_iter=self.max_iter,
                               tol=self.tol, n_iter_no_change=self.n_iter_no_change,
                               fit_intercept=self.fit_intercept, seed=self._seed(comm))
-        result = solve(blocks, config, comm=comm)
+        local_init = None
+        if coef_init is not None:
+            full = np.asarray(coef_init, dtype=np.float64).ravel()
+            if full.shape != (blocks.n_features,):
+                raise ValueError(f"coef_init has {full.size} weights; give one per feature ({blocks.n_features}), "
+                                 "e.g. a fitted model's coef_")
+            local_init = full[blocks.start:blocks.start + int(blocks.X.shape[1])]
+        icpt = None if intercept_init is None else float(np.ravel(intercept_init)[0])
+        result = solve(blocks, config, comm=comm, coef_init=local_init, intercept_init=icpt)
         slices = comm.allgather_object((blocks.start, result.coef))
         coef = np.concatenate([c for _, c in sorted(slices, key=lambda item: item[0])])
         self._comm = comm

@@ -478,13 +478,16 @@ def _local_work(blocks: ColumnBlocks, y: np.ndarray, cfg: SolverConfig, store: A
 
 
 def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any = None,
-          **params: Any) -> FitResult:
+          coef_init: Any = None, intercept_init: float | None = None, **params: Any) -> FitResult:
     """Train on this rank's column block; every rank of comm calls this with its block.
 
     Args:
         blocks: this rank's ColumnBlocks (see commwire.glm.data).
         config: the run's settings; keyword params override or replace it.
         comm: the Communicator (None: the world, initialising commwire if needed).
+        coef_init: start from these weights of this rank's columns (default zeros), e.g. to
+            go on from a commit of an elastic run.
+        intercept_init: start from this intercept (default: the loss's optimal constant).
     """
     cfg = config if config is not None else SolverConfig(**params)
     if config is not None and params:
@@ -500,6 +503,16 @@ def solve(blocks: ColumnBlocks, config: SolverConfig | None = None, *, comm: Any
                                 _local_work(blocks, y, cfg, store), xp=arrays.array_module(blocks.X))
             cfg = dataclasses.replace(cfg, s=auto.s)
         engine = _Engine(blocks, y, cfg, comm, store=store)
+        if coef_init is not None:
+            start = np.asarray(coef_init, dtype=np.float64).ravel()
+            if start.shape != (int(blocks.X.shape[1]),) or not np.all(np.isfinite(start)):
+                raise ValueError(f"coef_init has shape {start.shape} (finite: {bool(np.all(np.isfinite(start)))}); "
+                                 f"give {int(blocks.X.shape[1])} finite weights, this rank's columns")
+            engine.w[...] = engine.xp.asarray(start, dtype=engine.w.dtype)
+            if engine.w is not engine.gram.weights:
+                engine.gram.weights[...] = engine.w
+        if intercept_init is not None:
+            engine.intercept = float(intercept_init)
         if comm.size > 1:
             # Ranks finish the setup (a BF16 copy of X takes a few hundred ms) at different
             # times; start the clocks together so time_s is the training loop, not that skew.

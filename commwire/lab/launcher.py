@@ -55,14 +55,15 @@ def _mpiexec(env: Mapping[str, str]) -> str:
     return path
 
 
-def _ready(spec: LabSpec | None) -> LabSpec:
-    """Return *spec* if ranks can be launched on it, else raise with the fix."""
+def _ready(spec: LabSpec | None, used: list[str] | None = None) -> LabSpec:
+    """Return *spec* if ranks can be launched on it (on the hosts *used*, default all), else raise with the fix."""
     if spec is None:
         raise RuntimeError("no lab is up; run `commwire lab up --hosts N` first")
-    if spec.cut:
+    cut = [h for h in spec.cut if used is None or h in used]
+    if cut:
         raise RuntimeError(
-            f"lab host(s) {', '.join(spec.cut)} are cut, so their ranks could not start; "
-            f"run `commwire lab heal {spec.cut[0]}` first"
+            f"lab host(s) {', '.join(cut)} are cut, so their ranks could not start; "
+            f"run `commwire lab heal {cut[0]}` first"
         )
     return spec
 
@@ -81,7 +82,7 @@ def launch_args(np: int, env: Mapping[str, str],
     silent) and this Python's directory first on PATH, so ranks use the same venv.
     """
     ip = require_tools()["ip"]
-    spec = _ready(status())
+    spec = _ready(status(), None if hosts is None else [h for h, _ in hosts])
     if hosts is not None:
         unknown = [h for h, _ in hosts if h not in spec.names]
         if unknown or sum(c for _, c in hosts) != np:

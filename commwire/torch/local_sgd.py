@@ -95,21 +95,35 @@ class _LocalOptimizer(torch.optim.Optimizer):
         self._given_groups = [{**g, "params": list(g["params"])} for g in groups]
         super().__init__(groups, defaults)
         self.comm = default_comm(comm)
+        self._given_comm, self._schedule_config, self._check = comm, schedule, check
         self._named = named
         self._names = {p: n for n, p in named}
         self.diagnostics: list[dict[str, Any]] = []
         with torch.no_grad():
-            self._sync = self._build_schedule(named, schedule, check)
+            self._init_state()
+            self._sync = self._schedule(named, schedule, check)
 
-    def _build_schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
-                        check: bool) -> LocalSync:
-        """Allocate every parameter's optimizer state, then the schedule (which names the synced states)."""
-        self._init_state()
+    def _schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
+                  check: bool) -> LocalSync:
+        """Build the schedule over the allocated optimizer state (it names the synced states)."""
         return LocalSync(named, schedule, comm=self.comm, states=self._state_tensors(), check=check)
 
+    def _rebind(self) -> None:
+        """Bind the schedule to commwire's re-formed world (commwire.elastic), keeping the optimizer state.
+
+        The schedule's own state (its step count, the last synced point) carries over; only
+        its communicator changes.
+        """
+        if self._given_comm is not None:
+            return
+        kept = self.state_dict()
+        self.comm = default_comm(None)
+        with torch.no_grad():
+            self._sync = self._schedule(self._named, self._schedule_config, self._check)
+        self.load_state_dict(kept)
+
     def _init_state(self) -> None:
-        """Allocate every parameter's optimizer state."""
-        raise NotImplementedError
+        """Allocate every parameter's optimizer state up front (none by default: the schedule may)."""
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Return the ``(name, tensor)`` states averaged at each sync (may be empty)."""
@@ -462,8 +476,8 @@ class LoRDO(_LocalOptimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, schedule, comm, check)
 
-    def _build_schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
-                        check: bool) -> LocalSync:
+    def _schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
+                  check: bool) -> LocalSync:
         for group in self.param_groups:
             if (tuple(group["betas"]), group["eps"]) != (self.config.betas, self.config.eps):
                 raise ValueError(f"a param group sets betas={group['betas']}, eps={group['eps']}; LoRDO takes "

@@ -104,8 +104,12 @@ class OptimizerStateHandler(StateHandler):
         broadcast_optimizer_state(self.value, root_rank=root)
 
     def saved(self) -> Any:
-        # The codec state of another world (other bucket shares) must not come back after a relaunch.
-        return {k: v for k, v in self._saved.items() if k != "commwire"}
+        from ..optimizer import DistributedOptimizer
+
+        if isinstance(self.value, DistributedOptimizer):
+            # its codec state is this rank's share of a sum over the old world: not for another rank
+            return {k: v for k, v in self._saved.items() if k != "commwire"}
+        return self._saved
 
     def load_saved(self, saved: Any) -> None:
         self._saved = saved
@@ -116,6 +120,8 @@ class OptimizerStateHandler(StateHandler):
         if isinstance(self.value, DistributedOptimizer):
             self.value._rebind()
             self._saved = {k: v for k, v in self._saved.items() if k != "commwire"}
+        elif hasattr(self.value, "_rebind"):  # LoRDO, DiLoCo: their schedule's communicator
+            self.value._rebind()
 
 
 class SamplerStateHandler(StateHandler):
