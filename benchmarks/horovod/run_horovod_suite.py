@@ -21,6 +21,11 @@ torchvision stand-in of benchmarks/horovod/torchvision_standin (no CPU
 torchvision wheel matches the torch here): plain, ``--fp16-allreduce`` and
 ``--use-adasum``.
 
+``--elastic`` adds test/single/test_torch_elastic.py (one process, as Horovod's CI
+runs test/single) and the elastic examples (pytorch_synthetic_benchmark_elastic.py,
+pytorch_mnist_elastic.py) under ``commwire run --min-np 1 --max-np N``, each once
+undisturbed and once with a rank killed mid-training.
+
 Usage:
     python benchmarks/horovod/run_horovod_suite.py --horovod /work/.mirror/horovod+horovod/repo \\
         --np 2,3 --examples --json horovod_suite.json
@@ -45,6 +50,9 @@ STANDIN = HERE / "torchvision_standin"
 SUITE = "test/parallel/test_torch.py"
 COMMON = "test/utils/common.py"
 EXAMPLES = ("examples/pytorch/pytorch_synthetic_benchmark.py", "examples/pytorch/pytorch_mnist.py")
+ELASTIC_TESTS = "test/single/test_torch_elastic.py"
+ELASTIC_EXAMPLES = ("examples/elastic/pytorch/pytorch_synthetic_benchmark_elastic.py",
+                    "examples/elastic/pytorch/pytorch_mnist_elastic.py")
 
 
 def read(horovod: Path, rel: str) -> str:
@@ -160,12 +168,67 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
     return rows
 
 
+def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]:
+    """Run Horovod's elastic unit tests (one process, as Horovod's CI runs test/single) and elastic examples.
+
+    Each example runs twice under ``commwire run -np N --min-np 1 --max-np N``: undisturbed, and
+    with one of its ranks killed (SIGKILL) once training prints progress; both must finish
+    (exit 0) and the second must have reset once.
+    """
+    rows = []
+    edits = [(r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")]
+    env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512"}
+    tests = work / Path(ELASTIC_TESTS).name
+    tests.write_text(edit(read(horovod, ELASTIC_TESTS), edits, ELASTIC_TESTS))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    rows.append({"example": tests.name, "flag": "(one process, pytest)", "ranks": 1, "exit": proc.returncode,
+                 "seconds": None, "last_lines": proc.stdout.strip().splitlines()[-1:]})
+    runs = {
+        "pytorch_synthetic_benchmark_elastic.py": ["--no-cuda", "--num-warmup-batches", "2",
+                                                   "--num-batches-per-iter", "2", "--num-iters", "12",
+                                                   "--batch-size", "8"],
+        "pytorch_mnist_elastic.py": ["--no-cuda", "--epochs", "2", "--data-dir", str(work / "data")],
+    }
+    progress = re.compile(r"Iter #1:|Train Epoch: 1 \[\d+/\d+ \(\d\d?%")
+    for rel in ELASTIC_EXAMPLES:
+        path = work / Path(rel).name
+        path.write_text(edit(read(horovod, rel), edits, rel))
+        for kill in (False, True):
+            cmd = [sys.executable, "-m", "commwire", "run", "-np", str(n), "--min-np", "1", "--max-np", str(n),
+                   "-H", f"localhost:{n}", sys.executable, str(path), *runs[path.name]]
+            start = time.monotonic()
+            proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+            lines, killed = [], None
+            for line in proc.stdout:  # type: ignore[union-attr]
+                lines.append(line.rstrip())
+                if kill and killed is None and progress.search(line):
+                    ranks = subprocess.run(["pgrep", "-f", f"commwire._rankmain.*{path}"], capture_output=True,
+                                           text=True).stdout.split()
+                    if ranks:
+                        killed = int(ranks[-1])
+                        os.kill(killed, 9)
+                if time.monotonic() - start > timeout:
+                    proc.kill()
+                    break
+            code = proc.wait()
+            key = [ln for ln in lines if "Total img/sec" in ln or "Test set:" in ln or "reset" in ln]
+            rows.append({"example": path.name, "flag": f"rank pid {killed} killed" if kill else "(undisturbed)",
+                         "ranks": n, "exit": code, "seconds": round(time.monotonic() - start, 1),
+                         "resets": sum("commwire run: reset" in ln for ln in lines), "last_lines": key[-3:]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--horovod", required=True, type=Path, help="Horovod checkout (work tree or git dir)")
     parser.add_argument("--np", default="2,3", help="rank counts, comma-separated (default 2,3)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     parser.add_argument("--examples", action="store_true", help="also run the PyTorch examples")
+    parser.add_argument("--elastic", action="store_true",
+                        help="also run the elastic unit tests and the elastic PyTorch examples (one rank killed)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--suite", action=argparse.BooleanOptionalAction, default=True,
                         help="run test_torch.py (default; --no-suite for the examples only)")
@@ -214,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                 results["examples"].append(row)
                 print(f"{row['example']} {row['flag']} on {row['ranks']} ranks: exit {row['exit']} "
                       f"({row['seconds']} s) {' | '.join(row['last_lines'])[:200]}")
+        if args.elastic:
+            (work / "elastic").mkdir()
+            for row in run_elastic(args.horovod, work / "elastic", counts[0], args.timeout):
+                results["examples"].append(row)
+                print(f"{row['example']} {row['flag']} on {row['ranks']} ranks: exit {row['exit']} "
+                      f"({row['seconds']} s, resets {row.get('resets', '-')}) {' | '.join(row['last_lines'])[:300]}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     ok = all(s["exit"] == 0 for s in results["suites"]) and all(e["exit"] == 0 for e in results["examples"])

@@ -33,6 +33,7 @@ __all__ = [
     "new_group",
     "stats",
     "thread_level",
+    "transport",
     "cuda_aware",
     "install_abort_hook",
     "report_and_abort",
@@ -281,6 +282,12 @@ def stop_timeline() -> None:
     per_rank = comm.mpi.gather(events, root=0)
     if comm.rank == 0 and recorder is not None:
         recorder.write(per_rank)
+
+
+def transport() -> str:
+    """Return what carries the world's data: "mpi" or "torch" (raises if commwire is not initialised)."""
+    world()
+    return str(_settings.get("transport", "mpi"))
 
 
 def is_initialized() -> bool:

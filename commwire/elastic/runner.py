@@ -93,6 +93,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_mode()
         _inside.depth = getattr(_inside, "depth", 0) + 1
         skip_sync = False
         try:
@@ -121,6 +122,18 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
             _inside.depth -= 1
 
     return wrapper
+
+
+def _check_mode() -> None:
+    """Refuse (on every rank alike: the settings are the job's) a mode this job cannot re-form in."""
+    if mode() != "ulfm":
+        return
+    from ..comm import runtime
+
+    if runtime.is_initialized() and runtime.transport() == "torch":
+        raise ValueError("--elastic-mode ulfm re-forms MPI communicators in process, but this job moves its data "
+                         "over torch.distributed (COMMWIRE_TRANSPORT=torch), whose groups cannot shrink; use "
+                         "--elastic-mode relaunch, or the mpi transport")
 
 
 def _leave_for_relaunch(state: Any, *, commit: bool) -> None:

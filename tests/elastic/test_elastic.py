@@ -241,3 +241,80 @@ def test_ulfm_reforms_in_process_when_open_mpi_is_installed(tmp_path):
                            "--die-rank", "2"], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_recovered(_events(log), steps=30, killed_at=12, commit_every=5, sizes=[4, 3])
+
+
+# --------------------------------------------------------------------------- the driver's decisions
+
+
+def _fake_job(outcomes):
+    """A `spawn` that plays one outcome per launch: it writes the ranks' status files as real ranks would."""
+    launches = []
+
+    def spawn(argv, env, watch):
+        hosts, np_ = argv
+        launches.append((hosts, np_))
+        outcome = outcomes[len(launches) - 1]
+        run_dir = env["COMMWIRE_RUN_DIR"]
+        ranks = [h for h, s in hosts for _ in range(s)]
+        for rank, host in enumerate(ranks):
+            entry = {"rank": str(rank), "pid": 1000 + rank, "host": host, "status": "exited", "detail": ""}
+            if outcome == "restart":
+                entry["status"] = "restart"
+            elif outcome == "raise" and rank == 0:
+                entry["status"] = "raised"
+            elif outcome.startswith("kill:"):
+                entry["status"] = "running"
+                died = 1.0 if host == outcome[5:] else 1.5  # the killed host's ranks die first
+                with open(os.path.join(run_dir, f"death-{rank}"), "w") as fh:
+                    fh.write(repr(died))
+            with open(os.path.join(run_dir, f"rank-{rank}.json"), "w") as fh:
+                json.dump(entry, fh)
+        return {"ok": 0, "restart": 75, "raise": 1}.get(outcome, 137)
+
+    return spawn, launches
+
+
+def _driver(outcomes, **opts):
+    from commwire.elastic.driver import Driver
+
+    spawn, launches = _fake_job(outcomes)
+    echoed = []
+    opts = {"hosts": [("a", 2), ("b", 2), ("c", 2)], "min_np": 2, "max_np": 6, "elastic_timeout": 0.3,
+            "poll": 0.05, **opts}
+    driver = Driver(ElasticOptions(**opts), lambda hosts, np_, env: ((hosts, np_), env), spawn, echoed.append)
+    return driver, launches, echoed
+
+
+def test_driver_blacklists_a_killed_host_and_relaunches_on_the_rest():
+    driver, launches, echoed = _driver(["kill:b", "ok"])
+    assert driver.run() == 0
+    assert launches == [([("a", 2), ("b", 2), ("c", 2)], 6), ([("a", 2), ("c", 2)], 4)]
+    assert driver.resets[0]["cause"] == "host lost: b" and driver.resets[0]["hosts_after"] == "a:2,c:2"
+    assert "reset 1: host lost: b" in echoed[0]
+
+
+def test_driver_relaunches_after_a_host_update_and_caps_at_max_np():
+    driver, launches, _ = _driver(["restart", "ok"], max_np=5, np=4)
+    assert driver.run() == 0
+    assert [n for _, n in launches] == [4, 5]  # -np starts it; a reset grows it up to --max-np
+    assert driver.resets[0]["cause"] == "hosts updated"
+
+
+def test_driver_does_not_relaunch_a_program_error():
+    driver, launches, _ = _driver(["raise"])
+    assert driver.run() == 1 and len(launches) == 1 and driver.resets == []
+
+
+def test_driver_ends_after_the_reset_limit_and_when_too_few_slots_remain():
+    driver, launches, echoed = _driver(["kill:a", "kill:b", "ok"], reset_limit=1)
+    assert driver.run() == 137 and len(launches) == 2
+    assert "reset limit 1 reached" in echoed[-1]
+    driver, launches, echoed = _driver(["kill:a", "kill:b", "ok"], min_np=3)
+    assert driver.run() == 137 and len(launches) == 2  # after b, only c:2 is left: fewer than --min-np 3
+    assert "fewer than --min-np 3" in echoed[-1] and "blacklisted: a, b" in echoed[-1]
+
+
+def test_a_blacklisted_host_comes_back_after_its_cooldown():
+    driver, launches, _ = _driver(["kill:c", "restart", "ok"], cooldown=(0.0, 0.0))
+    assert driver.run() == 0
+    assert launches[2][0] == [("a", 2), ("b", 2), ("c", 2)]
