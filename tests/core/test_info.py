@@ -16,7 +16,7 @@ def _by_name(checks):
 
 def test_every_check_runs_and_problems_carry_a_fix():
     checks = info.diagnose()
-    assert set(_by_name(checks)) == {"launcher", "thread level", "CUDA", "lab", "environment", "torch"}
+    assert set(_by_name(checks)) == {"launcher", "thread level", "elastic", "CUDA", "lab", "environment", "torch"}
     for c in checks:
         assert c.status in ("ok", "note", "problem"), c
         assert c.status == "ok" or c.fix, c

@@ -224,7 +224,7 @@ def test_a_failing_program_is_not_relaunched(tmp_path):
                            "localhost:2", sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "bad input on purpose" in proc.stdout + proc.stderr
-    assert "reset" not in proc.stderr
+    assert "commwire run: reset" not in proc.stderr
 
 
 @pytest.mark.mpi
@@ -318,3 +318,15 @@ def test_a_blacklisted_host_comes_back_after_its_cooldown():
     driver, launches, _ = _driver(["kill:c", "restart", "ok"], cooldown=(0.0, 0.0))
     assert driver.run() == 0
     assert launches[2][0] == [("a", 2), ("b", 2), ("c", 2)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-np", "3", "--max-np", "2", "-H", "localhost:2"], "--min-np 3 is larger than --max-np 2"),
+    (["--min-np", "1", "--host-discovery-script", "/nonexistent/hosts.sh"], "cannot run"),
+    (["--min-np", "1"], "needs hosts: give --host-discovery-script"),
+    (["--min-np", "1", "-H", "localhost:2", "--dry-run"], "elastic mode needs the per-rank wrapper"),
+])
+def test_bad_elastic_command_lines_say_what_to_fix(args, message):
+    proc = subprocess.run([sys.executable, "-m", "commwire", "run", "-np", "2", *args, sys.executable, "-c",
+                           "print(1)"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
