@@ -282,18 +282,15 @@ def main(argv: list[str] | None = None) -> int:
             failures = sorted({f for rank in row["per_rank"] for f in rank.get("failures", [])})
             for f in failures:
                 print(f"    FAILED {f}")
-        if args.examples:
-            (work / "examples").mkdir()
-            for row in run_examples(args.horovod, work / "examples", counts[0], args.timeout):
+        for wanted, name, runner in ((args.examples, "examples", run_examples), (args.elastic, "elastic", run_elastic)):
+            if not wanted:
+                continue
+            (work / name).mkdir()
+            for row in runner(args.horovod, work / name, counts[0], args.timeout):
                 results["examples"].append(row)
+                resets = f", resets {row['resets']}" if "resets" in row else ""
                 print(f"{row['example']} {row['flag']} on {row['ranks']} ranks: exit {row['exit']} "
-                      f"({row['seconds']} s) {' | '.join(row['last_lines'])[:200]}")
-        if args.elastic:
-            (work / "elastic").mkdir()
-            for row in run_elastic(args.horovod, work / "elastic", counts[0], args.timeout):
-                results["examples"].append(row)
-                print(f"{row['example']} {row['flag']} on {row['ranks']} ranks: exit {row['exit']} "
-                      f"({row['seconds']} s, resets {row.get('resets', '-')}) {' | '.join(row['last_lines'])[:300]}")
+                      f"({row['seconds']} s{resets}) {' | '.join(row['last_lines'])[:300]}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     ok = all(s["exit"] == 0 for s in results["suites"]) and all(e["exit"] == 0 for e in results["examples"])

@@ -141,9 +141,7 @@ def _leave_for_relaunch(state: Any, *, commit: bool) -> None:
     from ..comm.ranklog import record
 
     if commit:  # a host update: what the ranks hold now is where the relaunched job goes on from
-        state.save()
-        state._commit_id += 1
-        state._spool()
+        state._save_commit()
     record("restart", "elastic: leaving for the launcher to re-form the job")
     for stream in (sys.stdout, sys.stderr):
         try:

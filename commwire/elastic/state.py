@@ -85,11 +85,15 @@ class State:
             RuntimeError: called outside ``run`` under an elastic launch (nothing could catch the interrupt).
         """
         runner.check_inside_run("commit()")
+        self._save_commit()
+        self.check_host_updates()
+
+    def _save_commit(self) -> None:
+        """Save, count the commit, and keep it in the host's memory under an elastic launch."""
         self.save()
         self._commit_id += 1
         if runner.mode() is not None:
             self._spool()
-        self.check_host_updates()
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank if the launcher reported a change of hosts.
