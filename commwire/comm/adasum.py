@@ -60,11 +60,11 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import BFLOAT16
+from .arrays import DtypeSet
 
 __all__ = ["adasum_allreduce"]
 
-_DTYPES = frozenset((np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)))
+_DTYPES = DtypeSet(np.float16, np.float32, np.float64, bf16=True)
 _WIRE = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # move raw bits: MPI has no bfloat16 type
 _ZERO_NORMSQ = math.sqrt(np.finfo(np.float64).tiny)
 _BLOCK = 1 << 16  # elements combined in float64 at a time (bounded scratch memory)

@@ -35,18 +35,20 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 __all__ = [
+    "BFLOAT16",
     "SUPPORTED_DTYPES",
     "Adapter",
     "DeviceOps",
+    "DtypeSet",
     "FLOAT_NAMES",
     "Invalid",
     "StreamOrder",
     "adapter_for",
     "array_module",
+    "bfloat16",
     "check_dtype",
     "copy",
     "cpu_standin",
@@ -57,6 +59,7 @@ __all__ = [
     "flat_f32",
     "from_torch",
     "host_view",
+    "is_bfloat16",
     "is_device_array",
     "kind_of",
     "nbytes",
@@ -67,16 +70,61 @@ __all__ = [
     "zeros_like",
 ]
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_BFLOAT16: np.dtype | None = None
+
+
+def bfloat16() -> np.dtype:
+    """Return ml_dtypes' bfloat16 dtype, importing ml_dtypes on first use.
+
+    Not at import: ml_dtypes 0.7 takes ~0.8 s to import, paid by every rank of every job.
+    """
+    global _BFLOAT16
+    if _BFLOAT16 is None:
+        import ml_dtypes
+
+        _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+    return _BFLOAT16
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Return whether numpy dtype ``dtype`` is ml_dtypes' bfloat16 (without importing ml_dtypes:
+    an array of that dtype exists only where ml_dtypes has been imported)."""
+    return "ml_dtypes" in sys.modules and dtype == bfloat16()
+
+
+class DtypeSet:
+    """A set of numpy dtypes, optionally with ml_dtypes' bfloat16, matched without importing ml_dtypes."""
+
+    __slots__ = ("dtypes", "bf16")
+
+    def __init__(self, *dtypes: Any, bf16: bool = False) -> None:
+        self.dtypes, self.bf16 = frozenset(np.dtype(d) for d in dtypes), bf16
+
+    def __contains__(self, dtype: Any) -> bool:
+        return dtype in self.dtypes or (self.bf16 and isinstance(dtype, np.dtype) and is_bfloat16(dtype))
+
 
 # dtypes every collective accepts (data moves: all; reductions: see commwire.comm.reduce);
 # reductions of the two half types run in float32 because MPI has no 16-bit float arithmetic.
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(d) for d in (np.float16, BFLOAT16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
-                          np.uint8, np.uint16, np.uint32, np.uint64, np.bool_)
-)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
-HALF_DTYPES = frozenset((np.dtype(np.float16), BFLOAT16))
+_SUPPORTED_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                    "uint32", "uint64", "bool")
+_SUPPORTED = DtypeSet(*(n for n in _SUPPORTED_NAMES if n != "bfloat16"), bf16=True)
+HALF_DTYPES = DtypeSet(np.float16, bf16=True)
+
+
+def _ml_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def __getattr__(name: str) -> Any:
+    # BFLOAT16 and SUPPORTED_DTYPES, made on first use (they import ml_dtypes)
+    if name == "BFLOAT16":
+        return bfloat16()
+    if name == "SUPPORTED_DTYPES":
+        return tuple(bfloat16() if n == "bfloat16" else np.dtype(n) for n in _SUPPORTED_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------ generic array helpers
@@ -197,7 +245,7 @@ def empty_f32(like: Any, n: int) -> Any:
 def restore(flat: Any, shape: tuple[int, ...], dtype: str, kind: str, out: Any = None) -> Any:
     """Reshape a float32 vector to ``shape`` and cast it to the dtype named ``dtype``, into ``out`` if given."""
     if kind == "numpy":
-        target = np.dtype(dtype) if hasattr(np, dtype) else np.dtype(getattr(ml_dtypes, dtype))
+        target = np.dtype(dtype) if hasattr(np, dtype) else _ml_dtype(dtype)
         result = flat.reshape(shape)
         if out is not None:
             if out.shape != tuple(shape):
@@ -219,7 +267,7 @@ def restore(flat: Any, shape: tuple[int, ...], dtype: str, kind: str, out: Any =
 def check_dtype(dtype: np.dtype) -> None:
     """Raise TypeError if ``dtype`` is not one commwire can communicate."""
     if dtype not in _SUPPORTED:
-        names = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
+        names = ", ".join(_SUPPORTED_NAMES)
         raise TypeError(f"dtype {dtype_name(dtype)} is not supported; use one of {names} (cast first)")
 
 
@@ -273,7 +321,7 @@ class _TorchAdapter(Adapter):
         if not t.is_contiguous():
             t = t.contiguous()  # non-contiguous tensors are copied, never misread
         if t.dtype == self._bf16:
-            return t.view(self.torch.int16).numpy().view(BFLOAT16)
+            return t.view(self.torch.int16).numpy().view(bfloat16())
         try:
             return t.numpy()
         except TypeError as exc:
@@ -296,7 +344,7 @@ class _TorchAdapter(Adapter):
             self._pool[entry[0]].append(entry[1])
 
     def wrap(self, host: np.ndarray, like: Any) -> Any:
-        if host.dtype == BFLOAT16:
+        if is_bfloat16(host.dtype):
             t = self.torch.from_numpy(host.view(np.int16)).view(self._bf16)
         else:
             t = self.torch.from_numpy(host)
@@ -471,14 +519,14 @@ class _TorchOps(DeviceOps):
 
     def numpy_dtype(self, x: Any) -> np.dtype:
         if x.dtype == self.lib.bfloat16:
-            return BFLOAT16
+            return bfloat16()
         try:
             return np.dtype(dtype_name(x.dtype))
         except TypeError:
             raise TypeError(f"dtype {dtype_name(x.dtype)} is not supported; cast the tensor first") from None
 
     def dtype(self, dtype: np.dtype) -> Any:
-        return getattr(self.lib, "bfloat16" if dtype == BFLOAT16 else np.dtype(dtype).name)
+        return getattr(self.lib, "bfloat16" if is_bfloat16(dtype) else np.dtype(dtype).name)
 
     def contiguous(self, x: Any) -> Any:
         return x.detach().contiguous()
@@ -540,7 +588,7 @@ class _TorchOps(DeviceOps):
 
     def from_host(self, host: np.ndarray, like: Any) -> Any:
         """Return ``host`` as a tensor on ``like``'s device (a copy), and return its staging buffer to the pool."""
-        t = self.lib.from_numpy(host.view(np.int16)).view(self.lib.bfloat16) if host.dtype == BFLOAT16 else \
+        t = self.lib.from_numpy(host.view(np.int16)).view(self.lib.bfloat16) if is_bfloat16(host.dtype) else \
             self.lib.from_numpy(host)
         result = t.to(like.device, copy=True)
         self.release(host)
@@ -557,7 +605,7 @@ class _TorchOps(DeviceOps):
 def _torch_numpy(t: Any) -> np.ndarray:
     import torch
 
-    return t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
+    return t.view(torch.int16).numpy().view(bfloat16()) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 class _CupyOps(DeviceOps):

@@ -919,7 +919,7 @@ def _plain_out(out: Any, x: np.ndarray) -> bool:
 
 
 def _np_dtype(name: str) -> np.dtype:
-    return arrays.BFLOAT16 if name == "bfloat16" else np.dtype(name)
+    return arrays.bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

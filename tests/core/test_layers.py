@@ -11,6 +11,9 @@ a literal name. Three rules:
     another package of commwire; a package's own privates and the root's shared
     helpers (``commwire._config``, ``commwire._validate``) are fine;
 (c) layers import downwards only (``LAYERS``); modules of one layer may import each other.
+
+And, in a subprocess, ``import commwire`` leaves the heavy dependencies (torch, numba,
+ml_dtypes, ...) unloaded.
 """
 
 from __future__ import annotations
@@ -212,3 +215,16 @@ def later():
     assert names["private"] == ["commwire.codecs._threads.set_threads", "commwire.comm.communicator._describe"]
     assert names["layer"] == ["commwire.bench.project", "commwire.cli.main.main", "commwire.bench.glm"]
     assert found["private"][1].startswith("commwire/glm/solver.py:4: commwire.glm.solver imports ")
+
+
+def test_importing_commwire_leaves_the_heavy_dependencies_unloaded():
+    # Every rank of every job pays for what `import commwire` loads: ml_dtypes 0.7 alone takes
+    # ~0.8 s, torch ~2 s. They load on first use (a bfloat16 array, a tensor, a codec kernel).
+    import subprocess
+    import sys
+
+    heavy = ("torch", "numba", "ml_dtypes", "scipy", "sklearn", "cupy")
+    code = f"import sys, commwire; print([m for m in {heavy!r} if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"`import commwire` loads {proc.stdout.strip()}"
