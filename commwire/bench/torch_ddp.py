@@ -63,13 +63,15 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     out = [("ddp-gloo fp32", {"ddp": True}), ("commwire fp32", {"compression": "none"})]
     if args.unfused:
         out.append(("commwire fp32 unfused", {"compression": "none", "fusion_threshold_mb": 0}))
+    if args.no_overlap:
+        out.append(("commwire fp32 no overlap", {"compression": "none", "overlap": False}))
     out += [(f"commwire {c}", {"compression": c}) for c in args.codecs.split(",") if c]
     return out
 
 
 def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, steps: int = 10, rounds: int = 5,
-                    codecs: str = "bf16,fp8-e4m3,nvfp4", unfused: bool = True, threads: int = 1
-                    ) -> list[dict[str, Any]]:
+                    codecs: str = "bf16,fp8-e4m3,nvfp4", unfused: bool = True, threads: int = 1,
+                    no_overlap: bool = False) -> list[dict[str, Any]]:
     """Train each configuration for ``rounds`` x ``steps`` steps; return one row per configuration."""
     import torch
 
@@ -79,7 +81,7 @@ def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, step
     torch.set_num_threads(threads)
     comm = cw.init()
     _init_gloo(comm)
-    args = argparse.Namespace(codecs=codecs, unfused=unfused)
+    args = argparse.Namespace(codecs=codecs, unfused=unfused, no_overlap=no_overlap)
     gen = torch.Generator().manual_seed(comm.rank)
     data = [(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)) for _ in range(4)]
     runners: list[tuple[str, Callable[[int], None], Any, Any]] = []
@@ -95,7 +97,8 @@ def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, step
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                            named_parameters=model.named_parameters(),
                                            compression=cfg["compression"],
-                                           fusion_threshold_mb=cfg.get("fusion_threshold_mb", 25.0))
+                                           fusion_threshold_mb=cfg.get("fusion_threshold_mb", 25.0),
+                                           overlap=cfg.get("overlap", True))
             net = model
 
         def step(i: int, net: Any = net, opt: Any = opt) -> None:
@@ -173,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--codecs", default="bf16,fp8-e4m3,nvfp4", help="comma-separated compressions to add")
     parser.add_argument("--no-unfused", dest="unfused", action="store_false", help="skip the unfused run")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="add an FP32 run whose buckets are reduced on the caller's thread in step() (overlap=False)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", dest="json_path")
     return parser
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run on the current MPI world and print rank 0's table."""
     a = build_parser().parse_args(argv)
     rows = run_torch_bench(layers=a.layers, width=a.width, batch=a.batch, steps=a.steps, rounds=a.rounds,
-                           codecs=a.codecs, unfused=a.unfused, threads=a.threads)
+                           codecs=a.codecs, unfused=a.unfused, threads=a.threads, no_overlap=a.no_overlap)
     import commwire as cw
 
     emit(format_table(rows), rows, a.json_path, rank=cw.rank())
