@@ -30,15 +30,18 @@ def run_mpi(n: int, args: list[str], timeout: float = 240, env: dict[str, str] |
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
-def run_mpi_pytest(n: int, path: str, *extra: str, timeout: float = 300, transport: str = "mpi") -> None:
-    """Run a pytest module on ``n`` ranks with the world's data on ``transport`` (COMMWIRE_TRANSPORT).
+def run_mpi_pytest(n: int, path: str, *extra: str, timeout: float = 300, transport: str = "mpi",
+                   only: str | None = None) -> None:
+    """Run a pytest module on ``n`` ranks with the world's data on ``transport`` (COMMWIRE_TRANSPORT);
+    ``only``: just the tests whose names match this ``-k`` expression.
 
     Fails with every rank's output if any rank fails.
     """
     if transport == "torch":
         pytest.importorskip("torch")
+    select = ("-k", only) if only else ()
     proc = run_mpi(n, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                       "-o", "addopts=", path, *extra], timeout=timeout, env={"COMMWIRE_TRANSPORT": transport})
+                       "-o", "addopts=", path, *extra, *select], timeout=timeout, env={"COMMWIRE_TRANSPORT": transport})
     if proc.returncode != 0:
         pytest.fail(f"{path} failed on {n} ranks over {transport} (exit {proc.returncode}):\n{proc.stdout[-8000:]}\n"
                     f"{proc.stderr[-4000:]}")

@@ -80,9 +80,7 @@ def bfloat16() -> np.dtype:
     """
     global _BFLOAT16
     if _BFLOAT16 is None:
-        import ml_dtypes
-
-        _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+        _BFLOAT16 = _ml_dtype("bfloat16")
     return _BFLOAT16
 
 

@@ -1,4 +1,4 @@
-"""The torch transport (torch.distributed over gloo) against the MPI transport — tier 2 (3 ranks: several peers, uneven blocks)."""
+"""The torch transport (torch.distributed over gloo) against the MPI transport — tier 2 (3 ranks: uneven blocks)."""
 
 from __future__ import annotations
 

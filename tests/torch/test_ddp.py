@@ -12,7 +12,7 @@ pytestmark = pytest.mark.mpi
 # subgroups of 2, which need them.
 @pytest.mark.parametrize("n,only", [(2, None), (4, "subgroup")])
 def test_ddp_hook_suite(n, only):
-    run_mpi_pytest(n, "tests/torch/mpi_ddp.py", *(("-k", only) if only else ()), timeout=600)
+    run_mpi_pytest(n, "tests/torch/mpi_ddp.py", timeout=600, only=only)
 
 
 def test_bench_combines_seeds_and_checks_each_hook_against_ddps_range():

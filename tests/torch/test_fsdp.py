@@ -14,7 +14,7 @@ pytestmark = pytest.mark.mpi
 def test_fsdp_suite(n, only):
     pytest.importorskip("torch.distributed.fsdp")
     run_mpi_pytest(n, "tests/torch/mpi_fsdp.py", "-W", "ignore::UserWarning", "-W", "ignore::FutureWarning",
-                   *(("-k", only) if only else ()), timeout=600)
+                   timeout=600, only=only)
 
 
 def test_bench_combines_seeds_against_the_first_configuration():
