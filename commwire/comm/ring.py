@@ -4,8 +4,9 @@ MPICH's default algorithms for large messages (recursive halving and doubling, o
 without segments) reach 72–90% of what gloo's pipelined ring gets from a 1 Gbit/s link between
 hosts (docs/benchmarks.md, "Transports"). This is the bandwidth-optimal ring: a reduce-scatter in
 ``size - 1`` steps, each rank sending one block to its right neighbour while it adds the block
-arriving from its left one, the block split in ``SEGMENTS`` messages so that adding overlaps
-receiving; then an all-gather of the reduced blocks around the same ring. Every element is
+arriving from its left one, the block cut into messages of about ``SEGMENT_BYTES``; then an all-gather of the reduced blocks
+around the same ring. A segment moves on as soon as it has arrived (and been added), so
+receiving, adding and sending overlap within a block and across the steps. Every element is
 summed in the same order on every rank and then copied, so all ranks get identical bits.
 """
 
@@ -15,13 +16,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["RING_BYTES", "SEGMENTS", "ONE_NODE", "ring_allreduce", "uses_ring"]
+__all__ = ["RING_BYTES", "SEGMENT_BYTES", "MAX_SEGMENTS", "ONE_NODE", "ring_allreduce", "uses_ring"]
 
 RING_BYTES = 1 << 20
 """Sums of float arrays from this many bytes, on 3 ranks or more spread over nodes, take the ring."""
 
-SEGMENTS = 4
-"""Messages each block of the reduce-scatter travels in."""
+SEGMENT_BYTES = 128 << 10
+"""Bytes per message the blocks are cut into (at most ``MAX_SEGMENTS`` per block, at least one)."""
+
+MAX_SEGMENTS = 16
 
 _TAG = 0x5249  # "RI": apart from other point-to-point traffic on the communicator
 
@@ -44,27 +47,49 @@ def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None])
     """Sum ``buf`` (contiguous, the same length on every rank) over ``mpi`` in place, by the ring.
 
     ``wait`` waits for a list of requests (the transport's: blocking, or yielding on a lane thread).
+    The ``2 * (size - 1)`` phases run as one pipeline: the block a rank receives in one phase is
+    the block it sends in the next, so each segment goes on to the right neighbour as soon as it
+    has arrived (and, in the reduce-scatter, been added), without waiting for the rest of its block.
     """
     flat = buf.reshape(-1)
     rank, size = mpi.Get_rank(), mpi.Get_size()
     bounds = [flat.shape[0] * b // size for b in range(size + 1)]
     right, left = (rank + 1) % size, (rank - 1) % size
-    incoming = np.empty(bounds[1] - bounds[0] + 1, dtype=flat.dtype)
-    for step in range(size - 1):  # reduce-scatter: after it, rank r holds block (r + 1) % size summed
-        out_block, in_block = (rank - step) % size, (rank - step - 1) % size
-        s0, s1 = bounds[out_block], bounds[out_block + 1]
-        r0, r1 = bounds[in_block], bounds[in_block + 1]
-        send_cuts = [s0 + (s1 - s0) * k // SEGMENTS for k in range(SEGMENTS + 1)]
-        recv_cuts = [(r1 - r0) * k // SEGMENTS for k in range(SEGMENTS + 1)]
-        recvs = [mpi.Irecv(incoming[recv_cuts[k]:recv_cuts[k + 1]], source=left, tag=_TAG + k)
-                 for k in range(SEGMENTS)]
-        sends = [mpi.Isend(flat[send_cuts[k]:send_cuts[k + 1]], dest=right, tag=_TAG + k) for k in range(SEGMENTS)]
-        for k in range(SEGMENTS):
+    largest = max(bounds[b + 1] - bounds[b] for b in range(size))
+    segments = max(1, min(MAX_SEGMENTS, largest * flat.itemsize // SEGMENT_BYTES))
+
+    def cuts(block: int) -> list[int]:
+        lo, n = bounds[block], bounds[block + 1] - bounds[block]
+        return [lo + n * k // segments for k in range(segments + 1)]
+
+    phases = 2 * (size - 1)
+    # Phase p < size - 1 (reduce-scatter): send block rank - p, add block rank - p - 1 into buf.
+    # Phase size - 1 + q (all-gather): send block rank + 1 - q, receive block rank - q into buf.
+    recv_blocks = [(rank - p - 1) % size if p < size - 1 else (rank - p + size - 1) % size for p in range(phases)]
+    incoming = [np.empty(largest // segments + 1, dtype=flat.dtype) for _ in range(2 * segments)]
+    sends: dict[tuple[int, int], Any] = {}
+
+    def post_recv(p: int, k: int) -> Any:
+        lo, hi = cuts(recv_blocks[p])[k:k + 2]
+        if p < size - 1:  # into a scratch segment (two per k: this phase's and the next one's)
+            return mpi.Irecv(incoming[2 * k + p % 2][:hi - lo], source=left, tag=_TAG + k)
+        q = p - (size - 1)  # block rank - q was sent in phase q: that send must be done before it is overwritten
+        if (q, k) in sends:
+            wait([sends.pop((q, k))])
+        return mpi.Irecv(flat[lo:hi], source=left, tag=_TAG + k)
+
+    first = cuts(rank)
+    recvs = [post_recv(0, k) for k in range(segments)]
+    for k in range(segments):
+        sends[0, k] = mpi.Isend(flat[first[k]:first[k + 1]], dest=right, tag=_TAG + k)
+    for p in range(phases):
+        got = cuts(recv_blocks[p])
+        for k in range(segments):
             wait([recvs[k]])
-            lo, hi = recv_cuts[k], recv_cuts[k + 1]
-            np.add(flat[r0 + lo:r0 + hi], incoming[lo:hi], out=flat[r0 + lo:r0 + hi])
-        wait(sends)
-    for step in range(size - 1):  # all-gather of the summed blocks around the same ring
-        out_block, in_block = (rank + 1 - step) % size, (rank - step) % size
-        wait([mpi.Irecv(flat[bounds[in_block]:bounds[in_block + 1]], source=left, tag=_TAG + SEGMENTS),
-              mpi.Isend(flat[bounds[out_block]:bounds[out_block + 1]], dest=right, tag=_TAG + SEGMENTS)])
+            lo, hi = got[k], got[k + 1]
+            if p < size - 1:
+                np.add(flat[lo:hi], incoming[2 * k + p % 2][:hi - lo], out=flat[lo:hi])
+            if p + 1 < phases:  # the segment just completed is the next phase's to send
+                sends[p + 1, k] = mpi.Isend(flat[lo:hi], dest=right, tag=_TAG + k)
+                recvs[k] = post_recv(p + 1, k)
+    wait(list(sends.values()))

@@ -323,4 +323,6 @@ def test_large_sums_blocking_async_in_place(comm_name, dtype, n):
         np.testing.assert_array_equal(inplace, got)
         np.testing.assert_array_equal(comm.allreduce_async(x, name="big-async").wait(), got)
         check_close(comm.allreduce(x, "avg", name="big-avg"), want / comm.size, dtype)
+        with mock.patch.object(transport_mod.ring_mod, "SEGMENT_BYTES", 1000):  # many uneven segments per block
+            np.testing.assert_array_equal(comm.allreduce(x, name="big-segments"), got)
     check_close(comm.allreduce(x, name="big-mpi"), want, dtype)  # one node: MPI's own all-reduce
