@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["Handle", "in_lane", "wait_requests"]
+__all__ = ["Handle", "in_lane", "wait_requests", "wait_yielding"]
 
 _local = threading.local()
 
@@ -43,10 +43,27 @@ def wait_requests(requests: list[Any]) -> None:
     if not in_lane():
         MPI.Request.Waitall(requests)
         return
+    wait_yielding(requests)
+
+
+def wait_yielding(requests: list[Any], spin: float = 0.0) -> None:
+    """Wait for MPI requests: test them for up to ``spin`` seconds, then yield the CPU between tests, then nap.
+
+    For the lane (which must leave the core to backward) and for waits that
+    move no data of their own, as the agreement exchange every collective
+    starts with: a rank that arrives first would otherwise spin in MPI for as
+    long as the slowest one takes, on a core that ranks sharing it need (see
+    ``check.SPIN``). The naps are at most ``_NAP`` and 1/8 of the time waited.
+    """
+    from mpi4py import MPI
+
     spins, start = 0, time.perf_counter()
     while not MPI.Request.Testall(requests):
+        waited = time.perf_counter() - start
+        if waited < spin:
+            continue
         spins += 1
-        time.sleep(0 if spins < _YIELDS else min(_NAP, (time.perf_counter() - start) / 8))
+        time.sleep(0 if spins < _YIELDS else min(_NAP, waited / 8))
 
 
 class Handle:
