@@ -8,7 +8,11 @@ call by call so that noise hits every arm alike:
 - ``commwire torch``: the same call on a communicator over torch.distributed's default group
   (``Communicator.from_process_group``);
 - ``mpi4py Allreduce``: the MPI library's own all-reduce, for reference;
-- with ``--codec``, the compressed all-reduce on each transport.
+- with ``--codec``, the compressed all-reduce on each transport;
+- with ``--exchange``, what one pipeline segment of the compressed all-reduce costs each
+  transport in messages alone: every rank sends that many bytes to, and receives as many
+  from, every other rank (MPI ``Isend``/``Irecv`` against ``torch.distributed``
+  ``isend``/``irecv``), ratio to MPI.
 
 Every sample is the slowest rank's time of one call (all ranks start together after a
 barrier); the table gives the median of ``--repeats`` samples and each arm's ratio to the
@@ -47,8 +51,49 @@ def _sample(comm: Any, fn: Callable[[], Any]) -> float:
     return float(comm.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
 
 
+def exchange_rows(world: Any, nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """Time one all-peers exchange of ``nbytes`` per peer over MPI and over torch.distributed's default group."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    mpi = world.mpi.Dup()  # apart from every other message of the job
+    rank, size = mpi.Get_rank(), mpi.Get_size()
+    peers = [r for r in range(size) if r != rank]
+    send = np.full(nbytes, rank, dtype=np.uint8)
+    got = np.zeros((len(peers), nbytes), dtype=np.uint8)
+    t_send, t_got = torch.from_numpy(send), torch.zeros(len(peers), nbytes, dtype=torch.uint8)
+
+    def over_mpi() -> None:
+        reqs = [mpi.Irecv(got[i], source=p, tag=11) for i, p in enumerate(peers)]
+        MPI.Request.Waitall(reqs + [mpi.Isend(send, dest=p, tag=11) for p in peers])
+
+    def over_torch() -> None:
+        works = [dist.irecv(t_got[i], src=p, tag=11) for i, p in enumerate(peers)]
+        for work in works + [dist.isend(t_send, dst=p, tag=11) for p in peers]:
+            work.wait()
+
+    arms = [("MPI Isend/Irecv", over_mpi), (f"torch.distributed isend/irecv ({dist.get_backend()})", over_torch)]
+    for _, fn in arms:
+        for _ in range(3):
+            fn()
+    samples: list[list[float]] = [[] for _ in arms]
+    for _ in range(repeats):
+        for i, (_, fn) in enumerate(arms):
+            samples[i].append(_sample(world, fn))
+    for buf in (got, t_got.numpy()):  # every peer's bytes arrived: a broken exchange is not timed as a fast one
+        if not all((row == p).all() for row, p in zip(buf, peers)):
+            raise RuntimeError(f"rank {rank}: the exchange delivered wrong bytes")
+    mpi.Free()
+    medians = [float(np.median(s)) for s in samples]
+    return [{"ranks": size, "bytes": nbytes, "kind": "exchange", "arm": label, "median_ms": medians[i] * 1e3,
+             "min_ms": min(samples[i]) * 1e3, "max_ms": max(samples[i]) * 1e3,
+             "GBps": nbytes * len(peers) / medians[i] / 1e9, "ratio": medians[i] / medians[0], "baseline": arms[0][0]}
+            for i, (label, _) in enumerate(arms)]
+
+
 def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None = "fp8-e4m3",
-                        threads: int = 1) -> list[dict[str, Any]]:
+                        threads: int = 1, exchange: list[int] | None = None) -> list[dict[str, Any]]:
     """Time every arm at every size; return one row per (size, arm)."""
     import torch
     import torch.distributed as dist
@@ -117,8 +162,14 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
                          "max_ms": max(samples[i]) * 1e3, "GBps": n * 4 / medians[i] / 1e9,
                          "ratio": medians[i] / base,
                          "baseline": arms[0][1] if kind == "fp32" else f"{codec} on commwire mpi"})
+    for nbytes in exchange or []:
+        rows += exchange_rows(world, nbytes, max(repeats, 5))
     tcomm.free()
     return rows
+
+
+def _ms(v: float) -> str:
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -128,8 +179,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head = "| ranks | size | payload | arm | median ms | min–max ms | GB/s | ratio | vs |"
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['ranks']} | {_human(r['bytes'])} | {r['kind']} | {r['arm']} | {r['median_ms']:.1f} | "
-                     f"{r['min_ms']:.1f}–{r['max_ms']:.1f} | {r['GBps']:.3f} | {r['ratio']:.3f} | {r['baseline']} |")
+        lines.append(f"| {r['ranks']} | {_human(r['bytes'])} | {r['kind']} | {r['arm']} | {_ms(r['median_ms'])} | "
+                     f"{_ms(r['min_ms'])}–{_ms(r['max_ms'])} | {r['GBps']:.3f} | {r['ratio']:.3f} | {r['baseline']} |")
     return "\n".join(lines)
 
 
@@ -141,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved samples per arm and size (median)")
     parser.add_argument("--codec", default="fp8-e4m3", help="codec of the compressed arms ('' for none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--exchange", default="", help="also time an all-peers exchange of these bytes per peer "
+                        "over MPI and torch.distributed (comma-separated, e.g. 4K,64K)")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
     return parser
 
@@ -150,6 +203,11 @@ def check_args(args: argparse.Namespace) -> None:
     check_sizes_and_codecs(args.sizes, args.codec or "", example="1M,4M")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats}: give 1 or more (the table shows the median)")
+    for item in filter(None, (s.strip() for s in args.exchange.split(","))):
+        try:
+            parse_size(item)
+        except ValueError as exc:
+            raise ValueError(f"--exchange: {exc}; give bytes per peer, e.g. --exchange 4K,64K") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    rows = run_transport_bench(sizes, repeats=args.repeats, codec=args.codec or None, threads=args.threads)
+    exchange = [parse_size(s) for s in args.exchange.split(",") if s.strip()]
+    rows = run_transport_bench(sizes, repeats=args.repeats, codec=args.codec or None, threads=args.threads,
+                               exchange=exchange)
     import commwire as cw
 
     emit(format_table(rows), rows, args.json_path, rank=cw.rank())

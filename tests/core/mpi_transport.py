@@ -202,3 +202,15 @@ def test_from_process_group_off_its_members_is_refused():
     else:
         solo = Communicator.from_process_group(group)
         _same(solo.allreduce(np.arange(3)), np.arange(3))
+
+
+def test_transports_bench_exchange_rows_time_both_transports_on_delivered_bytes():
+    # The rows `commwire bench transports --exchange` prints: one per transport and size, MPI first
+    # (the ratios' baseline), each a median of real exchanges whose bytes were checked on arrival.
+    from commwire.bench.transports import exchange_rows
+
+    rows = exchange_rows(WORLD, 4096, repeats=3)
+    assert [r["arm"] for r in rows] == ["MPI Isend/Irecv", "torch.distributed isend/irecv (gloo)"]
+    assert all(r["kind"] == "exchange" and r["bytes"] == 4096 and r["ranks"] == P for r in rows)
+    assert all(0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] < 60e3 for r in rows)
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] == pytest.approx(rows[1]["median_ms"] / rows[0]["median_ms"])
