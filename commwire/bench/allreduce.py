@@ -185,15 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_sizes_and_codecs(sizes: str, codecs: str, example: str = "8,64K,1M") -> None:
-    """Refuse a bad ``--sizes`` list or ``--codec`` spec list with a ValueError that names the option."""
+def check_sizes_and_codecs(sizes: str, codecs: str, example: str = "8,64K,1M", option: str = "--sizes") -> None:
+    """Refuse a bad size list (of ``option``) or ``--codec`` spec list with a ValueError that names the option."""
     from ..codecs import registry
 
     for item in filter(None, (s.strip() for s in sizes.split(","))):
         try:
             parse_size(item)
         except ValueError as exc:
-            raise ValueError(f"--sizes: {exc}; give sizes of 4 bytes or more, e.g. --sizes {example}") from None
+            raise ValueError(f"{option}: {exc}; give sizes of 4 bytes or more, e.g. {option} {example}") from None
     for spec in filter(None, (s.strip() for s in codecs.split(","))):
         try:
             registry.get(spec)

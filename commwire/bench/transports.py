@@ -51,6 +51,15 @@ def _sample(comm: Any, fn: Callable[[], Any]) -> float:
     return float(comm.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
 
 
+def _row(ranks: int, nbytes: int, kind: str, arm: str, samples: list[float], base: float, baseline: str,
+         moved: int) -> dict[str, Any]:
+    """One table row: the median of ``samples`` (seconds), its ratio to ``base``, GB/s of ``moved`` bytes."""
+    median = float(np.median(samples))
+    return {"ranks": ranks, "bytes": nbytes, "kind": kind, "arm": arm, "median_ms": median * 1e3,
+            "min_ms": min(samples) * 1e3, "max_ms": max(samples) * 1e3, "GBps": moved / median / 1e9,
+            "ratio": median / base, "baseline": baseline}
+
+
 def exchange_rows(world: Any, nbytes: int, repeats: int) -> list[dict[str, Any]]:
     """Time one all-peers exchange of ``nbytes`` per peer over MPI and over torch.distributed's default group."""
     import torch
@@ -85,10 +94,8 @@ def exchange_rows(world: Any, nbytes: int, repeats: int) -> list[dict[str, Any]]
         if not all((row == p).all() for row, p in zip(buf, peers)):
             raise RuntimeError(f"rank {rank}: the exchange delivered wrong bytes")
     mpi.Free()
-    medians = [float(np.median(s)) for s in samples]
-    return [{"ranks": size, "bytes": nbytes, "kind": "exchange", "arm": label, "median_ms": medians[i] * 1e3,
-             "min_ms": min(samples[i]) * 1e3, "max_ms": max(samples[i]) * 1e3,
-             "GBps": nbytes * len(peers) / medians[i] / 1e9, "ratio": medians[i] / medians[0], "baseline": arms[0][0]}
+    base = float(np.median(samples[0]))
+    return [_row(size, nbytes, "exchange", label, samples[i], base, arms[0][0], nbytes * len(peers))
             for i, (label, _) in enumerate(arms)]
 
 
@@ -156,12 +163,9 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
         medians = [float(np.median(s)) for s in samples]
         fp32_arms = sum(kind == "fp32" for kind, _, _ in arms)  # the codec arms follow, the mpi transport's first
         for i, (kind, label, _) in enumerate(arms):
-            base = medians[0] if kind == "fp32" else medians[fp32_arms]
-            rows.append({"ranks": world.size, "bytes": n * 4, "kind": kind, "arm": label,
-                         "median_ms": medians[i] * 1e3, "min_ms": min(samples[i]) * 1e3,
-                         "max_ms": max(samples[i]) * 1e3, "GBps": n * 4 / medians[i] / 1e9,
-                         "ratio": medians[i] / base,
-                         "baseline": arms[0][1] if kind == "fp32" else f"{codec} on commwire mpi"})
+            base, baseline = ((medians[0], arms[0][1]) if kind == "fp32"
+                              else (medians[fp32_arms], f"{codec} on commwire mpi"))
+            rows.append(_row(world.size, n * 4, kind, label, samples[i], base, baseline, n * 4))
     for nbytes in exchange or []:
         rows += exchange_rows(world, nbytes, max(repeats, 5))
     tcomm.free()
@@ -203,11 +207,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_sizes_and_codecs(args.sizes, args.codec or "", example="1M,4M")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats}: give 1 or more (the table shows the median)")
-    for item in filter(None, (s.strip() for s in args.exchange.split(","))):
-        try:
-            parse_size(item)
-        except ValueError as exc:
-            raise ValueError(f"--exchange: {exc}; give bytes per peer, e.g. --exchange 4K,64K") from None
+    check_sizes_and_codecs(args.exchange, "", example="4K,64K", option="--exchange")
 
 
 def main(argv: list[str] | None = None) -> int:

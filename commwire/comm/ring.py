@@ -4,8 +4,8 @@ MPICH's default algorithms for large messages (recursive halving and doubling, o
 without segments) reach 72–90% of what gloo's pipelined ring gets from a 1 Gbit/s link between
 hosts (docs/benchmarks.md, "Transports"). This is the bandwidth-optimal ring: a reduce-scatter in
 ``size - 1`` steps, each rank sending one block to its right neighbour while it adds the block
-arriving from its left one, the block cut into messages of about ``SEGMENT_BYTES``; then an all-gather of the reduced blocks
-around the same ring. A segment moves on as soon as it has arrived (and been added), so
+arriving from its left one, the block cut into messages of about ``SEGMENT_BYTES``; then an
+all-gather of the reduced blocks around the same ring. A segment moves on as soon as it has arrived (and been added), so
 receiving, adding and sending overlap within a block and across the steps. Every element is
 summed in the same order on every rank and then copied, so all ranks get identical bits.
 """
@@ -25,6 +25,7 @@ SEGMENT_BYTES = 128 << 10
 """Bytes per message the blocks are cut into (at most ``MAX_SEGMENTS`` per block, at least one)."""
 
 MAX_SEGMENTS = 16
+"""The most messages a block is cut into (larger blocks take larger segments)."""
 
 _TAG = 0x5249  # "RI": apart from other point-to-point traffic on the communicator
 
@@ -58,9 +59,8 @@ def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None])
     largest = max(bounds[b + 1] - bounds[b] for b in range(size))
     segments = max(1, min(MAX_SEGMENTS, largest * flat.itemsize // SEGMENT_BYTES))
 
-    def cuts(block: int) -> list[int]:
-        lo, n = bounds[block], bounds[block + 1] - bounds[block]
-        return [lo + n * k // segments for k in range(segments + 1)]
+    cuts = [[bounds[b] + (bounds[b + 1] - bounds[b]) * k // segments for k in range(segments + 1)]
+            for b in range(size)]  # segment boundaries of each block, in buf
 
     phases = 2 * (size - 1)
     # Phase p < size - 1 (reduce-scatter): send block rank - p, add block rank - p - 1 into buf.
@@ -70,7 +70,7 @@ def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None])
     sends: dict[tuple[int, int], Any] = {}
 
     def post_recv(p: int, k: int) -> Any:
-        lo, hi = cuts(recv_blocks[p])[k:k + 2]
+        lo, hi = cuts[recv_blocks[p]][k:k + 2]
         if p < size - 1:  # into a scratch segment (two per k: this phase's and the next one's)
             return mpi.Irecv(incoming[2 * k + p % 2][:hi - lo], source=left, tag=_TAG + k)
         q = p - (size - 1)  # block rank - q was sent in phase q: that send must be done before it is overwritten
@@ -78,12 +78,12 @@ def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None])
             wait([sends.pop((q, k))])
         return mpi.Irecv(flat[lo:hi], source=left, tag=_TAG + k)
 
-    first = cuts(rank)
+    first = cuts[rank]
     recvs = [post_recv(0, k) for k in range(segments)]
     for k in range(segments):
         sends[0, k] = mpi.Isend(flat[first[k]:first[k + 1]], dest=right, tag=_TAG + k)
     for p in range(phases):
-        got = cuts(recv_blocks[p])
+        got = cuts[recv_blocks[p]]
         for k in range(segments):
             wait([recvs[k]])
             lo, hi = got[k], got[k + 1]
