@@ -287,7 +287,6 @@ class Communicator(AgreementProtocol):
 
     def _allreduce_fast(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
         start = _perf()
-        allreduce = self.transport.allreduce
         if agreed.fused is not None:  # the deviation flag rides in the buffer (reused: one copy in, one out)
             n, wdt, mop, valid, _, average = agreed.fused
             if agreed.pad is None:
@@ -296,10 +295,7 @@ class Communicator(AgreementProtocol):
             buf, head = agreed.pad, agreed.head
             np.copyto(head, x)
             buf[n] = valid
-            if self.watchdog is None:
-                allreduce(None, buf, mop)
-            else:
-                self._move("allreduce", name, allreduce, None, buf, mop)
+            self._move("allreduce", name, self.transport.allreduce_small, buf, mop)
             flagged = buf.item(n) != valid
             if not flagged:
                 if average:
@@ -320,7 +316,7 @@ class Communicator(AgreementProtocol):
             else:
                 result, send = (np.empty_like(x) if out is None else out), x
             try:
-                self._move("allreduce", name, allreduce, send, result, mop)
+                self._move("allreduce", name, self.transport.allreduce, send, result, mop)
             finally:
                 flagged = self._flag_wait(flag, agreed.sig)
         if flagged:  # another rank deviated: the exchange raises here as there
