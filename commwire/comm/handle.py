@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["Handle", "in_lane", "wait_requests", "wait_yielding"]
+__all__ = ["Handle", "in_lane", "wait_requests", "wait_yielding", "COLLECTIVE_NAP"]
 
 _local = threading.local()
 
@@ -29,31 +29,40 @@ ranks' threads are the only ones runnable: on 4 lab hosts sharing 2 cores, ranks
 spun in sched_yield slowed the others' encoding, and a DDP step with the FP8 hook took 436 ms
 against 398 ms with naps (commwire bench ddp setup, interleaved in one job)."""
 
+COLLECTIVE_NAP = 300e-6
+"""The longest nap of a lane waiting for a whole collective (MPI's own non-blocking one, or the
+ring's steps) rather than for one message of the codec pipeline. The first bucket of a training
+step is reduced beside backward, and each wake-up takes a core from it: on 4 lab hosts sharing
+2 cores, DistributedOptimizer in FP32 took 1.06-1.07x DDP's step with every lane nap up to 300 us
+against 1.12-1.14x with 100 us (3 jobs each, alternated), and 1.04-1.08x with this nap alone
+(3 jobs); the codec pipeline, whose messages are short, keeps ``_NAP`` (its FP8 DDP hook took
+0.54-0.58x DDP's step with 300 us, 0.52-0.54x with 100 us; 3 jobs each, one seed)."""
 
-def wait_requests(requests: list[Any]) -> None:
+
+def wait_requests(requests: list[Any], nap: float = _NAP) -> None:
     """Wait for MPI requests; on a lane thread, poll and yield the CPU between tests.
 
     MPICH busy-polls inside MPI_Wait. On a lane that steals the core the
     caller's computation (backward) needs — badly so when ranks share cores —
     so a lane tests the requests and yields between tests instead, then
-    naps between them once the wait is a long one (see ``_NAP``).
+    naps between them (at most ``nap``) once the wait is a long one (see ``_NAP``).
     """
     from mpi4py import MPI
 
     if not in_lane():
         MPI.Request.Waitall(requests)
         return
-    wait_yielding(requests)
+    wait_yielding(requests, nap=nap)
 
 
-def wait_yielding(requests: list[Any], spin: float = 0.0) -> None:
+def wait_yielding(requests: list[Any], spin: float = 0.0, nap: float = _NAP) -> None:
     """Wait for MPI requests: test them for up to ``spin`` seconds, then yield the CPU between tests, then nap.
 
     For the lane (which must leave the core to backward) and for waits that
     move no data of their own, as the agreement exchange every collective
     starts with: a rank that arrives first would otherwise spin in MPI for as
     long as the slowest one takes, on a core that ranks sharing it need (see
-    ``check.SPIN``). The naps are at most ``_NAP`` and 1/8 of the time waited.
+    ``check.SPIN``). The naps are at most ``nap`` and 1/8 of the time waited.
     """
     from mpi4py import MPI
 
@@ -63,7 +72,7 @@ def wait_yielding(requests: list[Any], spin: float = 0.0) -> None:
         if waited < spin:
             continue
         spins += 1
-        time.sleep(0 if spins < _YIELDS else min(_NAP, waited / 8))
+        time.sleep(0 if spins < _YIELDS else min(nap, waited / 8))
 
 
 class Handle:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import ring as ring_mod
-from .handle import wait_requests
+from .handle import COLLECTIVE_NAP, wait_requests
 from .ring import ring_allreduce, uses_ring
 
 __all__ = ["Transport", "MPITransport", "TRANSPORTS", "spans_nodes"]
@@ -42,6 +42,10 @@ def spans_nodes(mpi: Any) -> bool:
         return bool(local.Get_size() < mpi.Get_size())
     finally:
         local.Free()
+
+
+def _collective_wait(requests: list[Any]) -> None:
+    wait_requests(requests, nap=COLLECTIVE_NAP)
 
 
 TRANSPORTS = ("mpi", "torch")
@@ -192,7 +196,7 @@ class MPITransport(Transport):
         # on the caller's: always the non-blocking variant there, since MPI never matches a
         # blocking collective on one rank with a non-blocking one on another (that hangs).
         if self.lane:
-            wait_requests([nonblocking(*args)])
+            wait_requests([nonblocking(*args)], nap=COLLECTIVE_NAP)
         else:
             blocking(*args)
 
@@ -201,14 +205,14 @@ class MPITransport(Transport):
         if uses_ring(self.size, recv, rop, self._MPI.SUM) and self._ring_here():  # see commwire.comm.ring
             if send is not None:
                 np.copyto(recv.reshape(-1), np.asarray(send).reshape(-1))
-            ring_allreduce(mpi, recv, wait_requests if self.lane else self._MPI.Request.Waitall)
+            ring_allreduce(mpi, recv, _collective_wait if self.lane else self._MPI.Request.Waitall)
             return
         self._run(mpi.Allreduce, mpi.Iallreduce, self._in_place if send is None else send, recv, rop)
 
     def allreduce_small(self, buf: Any, rop: Any) -> None:
         # No ring test and no hand-off: at 8 bytes these calls cost as much as the Allreduce (~1.5 us).
         if self.lane:
-            wait_requests([self.mpi.Iallreduce(self._in_place, buf, rop)])
+            wait_requests([self.mpi.Iallreduce(self._in_place, buf, rop)], nap=COLLECTIVE_NAP)
         else:
             self.mpi.Allreduce(self._in_place, buf, rop)
 
