@@ -45,6 +45,7 @@ def spans_nodes(mpi: Any) -> bool:
 
 
 def _collective_wait(requests: list[Any]) -> None:
+    """Wait for a whole collective started on a lane's communicator (naps up to ``COLLECTIVE_NAP``)."""
     wait_requests(requests, nap=COLLECTIVE_NAP)
 
 
@@ -196,7 +197,7 @@ class MPITransport(Transport):
         # on the caller's: always the non-blocking variant there, since MPI never matches a
         # blocking collective on one rank with a non-blocking one on another (that hangs).
         if self.lane:
-            wait_requests([nonblocking(*args)], nap=COLLECTIVE_NAP)
+            _collective_wait([nonblocking(*args)])
         else:
             blocking(*args)
 
@@ -212,7 +213,7 @@ class MPITransport(Transport):
     def allreduce_small(self, buf: Any, rop: Any) -> None:
         # No ring test and no hand-off: at 8 bytes these calls cost as much as the Allreduce (~1.5 us).
         if self.lane:
-            wait_requests([self.mpi.Iallreduce(self._in_place, buf, rop)], nap=COLLECTIVE_NAP)
+            _collective_wait([self.mpi.Iallreduce(self._in_place, buf, rop)])
         else:
             self.mpi.Allreduce(self._in_place, buf, rop)
 
