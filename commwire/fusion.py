@@ -9,8 +9,12 @@ by them is found again after the buckets are rebuilt with the same layout.
 
 Buckets are launched strictly in index order — a bucket that fills early waits
 for its predecessors — because every rank must issue the same collectives in
-the same order. With ``overlap=True`` they run on the communicator's background
-lane while the caller keeps computing.
+the same order. With ``overlap=True`` they move while the caller keeps computing:
+an uncompressed bucket of host memory on the mpi transport is moved on by the
+caller's own thread, a test of its MPI requests each time a tensor is added
+(``Communicator.start``: no thread wakes up to poll MPI, which on ranks sharing
+cores took the CPU from backward); every other bucket, and every bucket with
+``overlap="lane"``, runs on the communicator's background lane (a worker thread).
 
 Buckets live on their members' device (torch CUDA tensors: ``cuda:N``), so the
 reduction takes the core's device path: device buffers straight to a
@@ -32,7 +36,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +110,8 @@ class FusionBuffer:
         codec: optional codec spec or object for the wire.
         threshold_bytes: bucket size limit; 0 puts every tensor in its own bucket.
         first_bucket_bytes: limit of the first bucket.
-        overlap: run collectives on the background lane (else when waited for).
+        overlap: True: collectives move while the caller computes (see the module docstring);
+            "lane": always on the background lane's thread; False: run when waited for.
         postscale: factor applied to every reduced bucket (e.g. for predivision).
         groups: explicit groups of tensor names; each group travels in buckets of its
             own (one per dtype and device, whatever the threshold) and every other tensor
@@ -124,7 +129,7 @@ class FusionBuffer:
         codec: Any = None,
         threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
-        overlap: bool = True,
+        overlap: bool | str = True,
         postscale: float = 1.0,
         groups: Sequence[Sequence[str]] | None = None,
         compressor: Any = None,
@@ -140,6 +145,8 @@ class FusionBuffer:
             from .codecs.collective import resolve_codec
 
             self.codec = resolve_codec(codec)
+        if overlap not in (True, False, "lane"):
+            raise ValueError(f"overlap={overlap!r} is not valid; use True, 'lane' or False")
         self.overlap = overlap
         self.postscale = postscale
         if compressor is not None and self.codec is not None:
@@ -234,6 +241,7 @@ class FusionBuffer:
             target[...] = value * scale
         bucket.filled[slot] = True
         self._launch_ready()
+        self.comm.progress()  # buckets the caller moves on (overlap=True)
 
     def mark(self, name: str, scale: float = 1.0) -> None:
         """Declare the slot of ``name`` filled in place (see :meth:`view`); launch complete buckets."""
@@ -242,6 +250,7 @@ class FusionBuffer:
             self._views[name][...] *= scale
         bucket.filled[slot] = True
         self._launch_ready()
+        self.comm.progress()
 
     def zero_(self) -> None:
         """Zero every bucket buffer (the slots handed out by :meth:`view` included)."""
@@ -255,7 +264,9 @@ class FusionBuffer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched_at = time.perf_counter()
-        if self.overlap:
+        if self.overlap is True and self.codec is None and self.compressor is None:
+            bucket.handle = self.comm.start(self._reduce_steps, self._reduce, bucket, bucket.buffer, label=bucket.id)
+        elif self.overlap:
             # Through the communicator, which orders a CUDA buffer's work with this thread's stream.
             bucket.handle = self.comm.submit(self._reduce, bucket, bucket.buffer, label=bucket.id)
         else:
@@ -276,6 +287,21 @@ class FusionBuffer:
             compressed_allreduce(comm, buffer, self.op, codec=self.codec, out=buffer, name=bucket.id)
         if self.postscale != 1.0:
             buffer *= self.postscale
+        return time.perf_counter() - start
+
+    def _reduce_steps(self, comm: Communicator, bucket: Bucket, buffer: Any) -> Generator[list[Any], None, float] | None:
+        """``_reduce`` of an uncompressed host bucket in steps (``Communicator.allreduce_steps``), or None."""
+        if arrays.is_device_array(buffer):
+            return None
+        host = arrays.host_view(buffer)
+        steps = comm.allreduce_steps(host, self.op, out=host, name=bucket.id)
+        return None if steps is None else self._timed(steps, host)
+
+    def _timed(self, steps: Generator[list[Any], None, Any], host: np.ndarray) -> Generator[list[Any], None, float]:
+        start = time.perf_counter()
+        yield from steps
+        if self.postscale != 1.0:
+            host *= self.postscale
         return time.perf_counter() - start
 
     def missing(self) -> list[str]:

@@ -63,6 +63,8 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     out = [("ddp-gloo fp32", {"ddp": True}), ("commwire fp32", {"compression": "none"})]
     if args.unfused:
         out.append(("commwire fp32 unfused", {"compression": "none", "fusion_threshold_mb": 0}))
+    if args.lane:
+        out.append(("commwire fp32 lane", {"compression": "none", "overlap": "lane"}))
     if args.no_overlap:
         out.append(("commwire fp32 no overlap", {"compression": "none", "overlap": False}))
     out += [(f"commwire {c}", {"compression": c}) for c in args.codecs.split(",") if c]
@@ -71,7 +73,7 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, steps: int = 10, rounds: int = 5,
                     codecs: str = "bf16,fp8-e4m3,nvfp4", unfused: bool = True, threads: int = 1,
-                    no_overlap: bool = False) -> list[dict[str, Any]]:
+                    no_overlap: bool = False, lane: bool = False, hvd_init: bool = False) -> list[dict[str, Any]]:
     """Train each configuration for ``rounds`` x ``steps`` steps; return one row per configuration."""
     import torch
 
@@ -81,7 +83,9 @@ def run_torch_bench(*, layers: int = 50, width: int = 256, batch: int = 32, step
     torch.set_num_threads(threads)
     comm = cw.init()
     _init_gloo(comm)
-    args = argparse.Namespace(codecs=codecs, unfused=unfused, no_overlap=no_overlap)
+    if hvd_init:  # as a Horovod script: the optimizers reduce on the global process set (it agrees on every call)
+        hvd.init()
+    args = argparse.Namespace(codecs=codecs, unfused=unfused, no_overlap=no_overlap, lane=lane)
     gen = torch.Generator().manual_seed(comm.rank)
     data = [(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)) for _ in range(4)]
     runners: list[tuple[str, Callable[[int], None], Any, Any]] = []
@@ -178,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-unfused", dest="unfused", action="store_false", help="skip the unfused run")
     parser.add_argument("--no-overlap", action="store_true",
                         help="add an FP32 run whose buckets are reduced on the caller's thread in step() (overlap=False)")
+    parser.add_argument("--lane", action="store_true",
+                        help="add an FP32 run whose buckets are all reduced on the lane's thread (overlap='lane')")
+    parser.add_argument("--hvd-init", action="store_true",
+                        help="call hvd.init() first, as a Horovod script does: buckets reduce on its global process "
+                             "set, which checks every collective's arguments on every rank")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", dest="json_path")
     return parser
@@ -187,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run on the current MPI world and print rank 0's table."""
     a = build_parser().parse_args(argv)
     rows = run_torch_bench(layers=a.layers, width=a.width, batch=a.batch, steps=a.steps, rounds=a.rounds,
-                           codecs=a.codecs, unfused=a.unfused, threads=a.threads, no_overlap=a.no_overlap)
+                           codecs=a.codecs, unfused=a.unfused, threads=a.threads, no_overlap=a.no_overlap,
+                           lane=a.lane, hvd_init=a.hvd_init)
     import commwire as cw
 
     emit(format_table(rows), rows, a.json_path, rank=cw.rank())

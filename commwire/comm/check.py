@@ -27,6 +27,7 @@ module holds the exchange itself and the messages.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from .handle import wait_yielding
 
-__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "resync", "signature_hash",
+__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "exchange_steps", "resync", "signature_hash",
            "OK", "INVALID", "JOINED", "SYNC"]
 
 
@@ -109,10 +110,26 @@ def exchange(mpi_comm: Any, sig: tuple[Any, ...] | None, error: BaseException | 
         The ranks that have joined and the agreed signature (None when every rank has joined).
         A rank inside ``join()`` never raises: it learns of the failure and waits for the next call.
     """
+    mine, everyone = _descriptors(mpi_comm, sig, error, joined_for)
+    _allgather(mpi_comm, mine, everyone)
+    return _round(mpi_comm, sig, error, everyone)
+
+
+def exchange_steps(mpi_comm: Any, sig: tuple[Any, ...], error: BaseException | None) -> Generator[list[Any], None, Round]:
+    """``exchange`` for a rank outside ``join()``, as a generator that yields the request it waits for."""
+    mine, everyone = _descriptors(mpi_comm, sig, error, -1)
+    yield [mpi_comm.Iallgather(mine, everyone)]
+    return _round(mpi_comm, sig, error, everyone)
+
+
+def _descriptors(mpi_comm: Any, sig: tuple[Any, ...] | None, error: BaseException | None,
+                 joined_for: int) -> tuple[np.ndarray, np.ndarray]:
     status = JOINED if sig is None else (INVALID if error is not None else OK)
     mine = np.array([signature_hash(sig) if sig is not None else 0, status, joined_for], dtype=np.int64)
-    everyone = np.empty((mpi_comm.Get_size(), 3), dtype=np.int64)
-    _allgather(mpi_comm, mine, everyone)
+    return mine, np.empty((mpi_comm.Get_size(), 3), dtype=np.int64)
+
+
+def _round(mpi_comm: Any, sig: tuple[Any, ...] | None, error: BaseException | None, everyone: np.ndarray) -> Round:
     statuses = everyone[:, 1].tolist()
     joined = [r for r, s in enumerate(statuses) if s == JOINED]
     joined_for_all = everyone[:, 2].tolist()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Generator
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ import numpy as np
 from . import arrays
 from .arrays import HALF_DTYPES, DeviceOps, adapter_for, check_dtype, device_ops, dtype_name, stream_order
 from .check import exchange
-from .handle import Handle
+from .handle import Handle, drive
 from .protocol import FUSED_BYTES, JOINABLE, Agreed, AgreementProtocol, Signature
 from .reduce import REDUCE_OPS, check_reduction, flag_values, normalize_op, work_dtype
 from .stats import Counters
@@ -183,16 +184,15 @@ class Communicator(AgreementProtocol):
             rounds += 1
 
     # ---------------------------------------------------------------- helpers
-    def _move(self, opname: str, name: str | None, move: Callable[..., Any], *args: Any) -> None:
-        """Run one data movement of the transport, registered with the stall watchdog."""
+    def _move(self, opname: str, name: str | None, move: Callable[..., Any], *args: Any) -> Any:
+        """Run one data movement of the transport, registered with the stall watchdog; return its result."""
         watchdog = self.watchdog
         if watchdog is None:
-            move(*args)
-            return
+            return move(*args)
         self._seq += 1
         token = watchdog.enter(self.uid, self._seq, opname, name)
         try:
-            move(*args)
+            return move(*args)
         finally:
             watchdog.leave(token)
 
@@ -239,6 +239,32 @@ class Communicator(AgreementProtocol):
             return lane_for(self).submit(method, *args, label=label, **kwargs)
         return _Ordered(lane_for(self).submit(_in_order, order, method, *args, label=label, **kwargs), order)
 
+    def start(self, steps: Callable[..., Any], whole: Callable[..., Any], *args: Any, label: str | None = None,
+              **kwargs: Any) -> Handle:
+        """Like ``submit(whole, ...)``, but where ``steps(lane_comm, ...)`` gives a generator of request lists
+        (e.g. ``lane_comm.allreduce_steps(...)``), the calling thread runs it, step by step (``Lane.start``).
+
+        Call ``progress()`` between pieces of computation to move it on; the handle's
+        ``wait()`` finishes it. Device arrays among the arguments go to ``submit``.
+        """
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return _Done(whole(self, *args, **kwargs), label or kwargs.get("name"))
+        if stream_order(*args, *kwargs.values()) is not None:
+            return self.submit(whole, *args, label=label, **kwargs)
+        from .lane import lane_for
+
+        return lane_for(self).start(steps, whole, *args, label=label, **kwargs)
+
+    def progress(self) -> None:
+        """Move the work started with ``start`` on, without blocking (cheap when there is none)."""
+        from .lane import existing_lane
+
+        lane = existing_lane(self)
+        if lane is not None:
+            lane.progress()
+
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``method(lane_comm, *args, **kwargs)`` in order with the lane's work and return its result.
 
@@ -272,18 +298,70 @@ class Communicator(AgreementProtocol):
         # Fast path for the common case (a contiguous numpy array whose signature was agreed
         # before): the general path costs several microseconds of Python, as much as a small
         # MPI_Allreduce itself.
+        agreed = self._fast_entry(x, op, out, name)
+        if agreed is not None:
+            return self._allreduce_fast(agreed, x, out, name)
+        return self._allreduce(x, op, out, name)
+
+    def _fast_entry(self, x: Any, op: str, out: Any, name: str | None) -> Agreed | None:
+        """Return the agreed entry when ``allreduce(x, op, out=out, name=name)`` may take the fast path."""
         if type(x) is np.ndarray and self.check == "first" and self.timeline is None:
             agreed = self._agreed.get(("allreduce", name))
             if (agreed is not None and agreed.op == op and x.dtype == agreed.dtype and x.shape == agreed.shape
                     and x.flags.c_contiguous and (out is None or out is x or (
                         agreed.fused is not None and type(out) is np.ndarray and out.shape == x.shape
                         and out.dtype == x.dtype and out.flags.writeable) or _plain_out(out, x))):
-                return self._allreduce_fast(agreed, x, out, name)
-        return self._allreduce(x, op, out, name)
+                return agreed
+        return None
 
     def allreduce_async(self, x: Any, op: str = "sum", *, out: Any = None, name: str | None = None) -> Handle:
         """Start an all-reduce on the background lane; the handle's ``wait()`` gives the result."""
         return self.submit(Communicator.allreduce, x, op, out=out, name=name)
+
+    def allreduce_steps(self, x: Any, op: str = "sum", *, out: Any = None,
+                        name: str | None = None) -> Generator[list[Any], None, Any] | None:
+        """Return ``allreduce(x, op, out=out, name=name)`` as a generator of the request lists it waits for, or None.
+
+        The generator's value (``StopIteration.value``, or ``yield from``) is the result; drive it
+        with ``Communicator.start``. None where this call must run whole: anything but a numpy
+        array, Adasum, a transport that moves the data itself (``Transport.steps``), or, on a
+        communicator that agrees on first calls (``check="first"``), a call whose signature was
+        not agreed yet. A stepped call sends what a whole one does, so ranks may drive the same
+        call either way (one steps, another runs it on the lane).
+        """
+        if type(x) is not np.ndarray or not self.transport.steps or op == "adasum":
+            return None
+        if self.check is True:
+            return self._checked_steps(x, op, out, name)
+        agreed = self._fast_entry(x, op, out, name)
+        if agreed is None:
+            return None
+        if agreed.fused is not None:
+            return self._fused_steps(agreed, x, out, name)
+        return self._plain_steps(agreed, x, out, name)
+
+    def _checked_steps(self, x: np.ndarray, op: str, out: Any, name: str | None) -> Generator[list[Any], None, Any]:
+        """``_allreduce`` on a communicator that agrees on every call (``check=True``), in steps."""
+        start = _perf()
+        plan, error, sig = self._plan(x, op, out, name)
+        yield from self._agree_steps(sig, error)  # raises on every rank if any rank's arguments are wrong or differ
+        assert plan is not None
+        recv, send = plan.buffers()
+        yield from self.transport.allreduce_steps(send, recv, plan.mop)
+        result = plan.finish(recv)
+        self._record("allreduce", name, plan.nbytes, start)
+        return result
+
+    def _fused_steps(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Generator[list[Any], None, Any]:
+        """The fast path's small all-reduce (the flag in the buffer), in steps, in a buffer of its own."""
+        start = _perf()
+        n, wdt, mop, valid, _, average = agreed.fused
+        buf = np.empty(n + 1, dtype=wdt)
+        np.copyto(buf[:n].reshape(x.shape), x)
+        buf[n] = valid
+        yield from self.transport.allreduce_steps(None, buf, mop)
+        result = buf[:n].reshape(x.shape)
+        return self._fast_finish(agreed, x, out, name, result, buf.item(n) != valid, average, start)
 
     def _allreduce_fast(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
         start = _perf()
@@ -309,16 +387,28 @@ class Communicator(AgreementProtocol):
                 return result
             result = head
         else:  # a tiny all-reduce of the flag travels beside the data
-            mop, average = agreed.plain
-            flag = self._flag_start(False)
-            if out is x:
-                result, send = x, None
-            else:
-                result, send = (np.empty_like(x) if out is None else out), x
-            try:
-                self._move("allreduce", name, self.transport.allreduce, send, result, mop)
-            finally:
-                flagged = self._flag_wait(flag, agreed.sig)
+            return self._move("allreduce", name, drive, self._plain_steps(agreed, x, out, name),
+                              self.transport.wait_collective)
+        return self._fast_finish(agreed, x, out, name, result, flagged, average, start)
+
+    def _plain_steps(self, agreed: Agreed, x: np.ndarray, out: Any,
+                     name: str | None) -> Generator[list[Any], None, Any]:
+        """The fast path's all-reduce of a large array, in steps (``allreduce_steps``); returns the result."""
+        start = _perf()
+        mop, average = agreed.plain
+        flag = self._flag_start(False)
+        if out is x:
+            result, send = x, None
+        else:
+            result, send = (np.empty_like(x) if out is None else out), x
+        try:
+            yield from self.transport.allreduce_steps(send, result, mop)
+        finally:
+            flagged = self._flag_wait(flag, agreed.sig)
+        return self._fast_finish(agreed, x, out, name, result, flagged, average, start)
+
+    def _fast_finish(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None, result: Any, flagged: bool,
+                     average: bool, start: float) -> Any:
         if flagged:  # another rank deviated: the exchange raises here as there
             self._agree(agreed.sig, None)
             raise RuntimeError(f"allreduce {name!r}: a rank flagged different arguments but the exchange found "
@@ -332,8 +422,9 @@ class Communicator(AgreementProtocol):
         self.counters.record("allreduce", x.nbytes, _perf() - start)
         return result
 
-    def _allreduce(self, x: Any, op: str, out: Any, name: str | None) -> Any:
-        start = _perf()
+    def _plan(self, x: Any, op: str, out: Any,
+              name: str | None) -> tuple[_Reduction | None, BaseException | None, Signature]:
+        """Return an all-reduce's plan (None if its arguments are bad), the error that found, and its signature."""
         plan: _Reduction | None = None
         error = None
         try:
@@ -342,6 +433,11 @@ class Communicator(AgreementProtocol):
             error = exc
         sig = plan.sig(name) if plan is not None else Signature("allreduce", name, *describe(x), op_label(op),
                                                                 device=device_of(x))
+        return plan, error, sig
+
+    def _allreduce(self, x: Any, op: str, out: Any, name: str | None) -> Any:
+        start = _perf()
+        plan, error, sig = self._plan(x, op, out, name)
         allreduce = self.transport.allreduce
 
         def run() -> Any:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Generator
 from typing import Any, Callable
 
-__all__ = ["Handle", "in_lane", "wait_requests", "wait_yielding", "COLLECTIVE_NAP"]
+__all__ = ["Handle", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP"]
 
 _local = threading.local()
 
@@ -73,6 +74,16 @@ def wait_yielding(requests: list[Any], spin: float = 0.0, nap: float = _NAP) -> 
             continue
         spins += 1
         time.sleep(0 if spins < _YIELDS else min(nap, waited / 8))
+
+
+def drive(steps: Generator[list[Any], None, Any], wait: Callable[[list[Any]], None]) -> Any:
+    """Run a generator of request lists (``Transport.allreduce_steps``) to its end, waiting for each list
+    with ``wait``; return the generator's value."""
+    try:
+        while True:
+            wait(next(steps))
+    except StopIteration as stop:
+        return stop.value
 
 
 class Handle:

@@ -41,12 +41,13 @@ A collective is four pieces handed to ``run_collective``:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .check import Round, exchange, resync
+from .check import Round, exchange, exchange_steps, resync
 from .handle import wait_requests
 
 __all__ = ["Signature", "Agreed", "AgreementProtocol", "JOINABLE", "FUSED_BYTES", "VERIFIED_KEYS"]
@@ -166,6 +167,15 @@ class AgreementProtocol:
     def _agree(self, sig: Signature, error: BaseException | None) -> Round:
         with self.watched("check " + str(sig[0]), sig[1]):
             rnd = exchange(self.mpi, sig, error)
+        return self._joinable(sig, rnd)
+
+    def _agree_steps(self, sig: Signature, error: BaseException | None) -> Generator[list[Any], None, Round]:
+        """``_agree`` as a generator that yields the exchange's request (``Communicator.allreduce_steps``)."""
+        rnd = yield from exchange_steps(self.mpi, sig, error)
+        return self._joinable(sig, rnd)
+
+    def _joinable(self, sig: Signature, rnd: Round) -> Round:
+        """Return ``rnd``; raise if ranks inside ``join()`` cannot take part in this collective."""
         if rnd.joined and not (sig[0] == "allreduce" and sig[4] in JOINABLE):
             raise RuntimeError(
                 f"{sig[0]} {sig[1]!r}: rank(s) {rnd.joined} of {self.size} have called join() and take part only "

@@ -12,11 +12,12 @@ summed in the same order on every rank and then copied, so all ranks get identic
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["RING_BYTES", "SEGMENT_BYTES", "MAX_SEGMENTS", "ONE_NODE", "ring_allreduce", "uses_ring"]
+__all__ = ["RING_BYTES", "SEGMENT_BYTES", "MAX_SEGMENTS", "ONE_NODE", "ring_allreduce", "ring_steps", "uses_ring"]
 
 RING_BYTES = 1 << 20
 """Sums of float arrays from this many bytes, on 3 ranks or more spread over nodes, take the ring."""
@@ -48,6 +49,15 @@ def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None])
     """Sum ``buf`` (contiguous, the same length on every rank) over ``mpi`` in place, by the ring.
 
     ``wait`` waits for a list of requests (the transport's: blocking, or yielding on a lane thread).
+    """
+    for requests in ring_steps(mpi, buf):
+        wait(requests)
+
+
+def ring_steps(mpi: Any, buf: np.ndarray) -> Iterator[list[Any]]:
+    """The ring all-reduce of ``buf`` as a generator: it yields each list of requests it must see
+    completed before it goes on (whoever drives it waits for them, or tests them and resumes later).
+
     The ``2 * (size - 1)`` phases run as one pipeline: the block a rank receives in one phase is
     the block it sends in the next, so each segment goes on to the right neighbour as soon as it
     has arrived (and, in the reduce-scatter, been added), without waiting for the rest of its block.
@@ -69,27 +79,29 @@ def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None])
     incoming = [np.empty(largest // segments + 1, dtype=flat.dtype) for _ in range(2 * segments)]
     sends: dict[tuple[int, int], Any] = {}
 
-    def post_recv(p: int, k: int) -> Any:
+    def post_recv(p: int, k: int) -> Generator[list[Any], None, Any]:  # returns the receive request
         lo, hi = cuts[recv_blocks[p]][k:k + 2]
         if p < size - 1:  # into a scratch segment (two per k: this phase's and the next one's)
             return mpi.Irecv(incoming[2 * k + p % 2][:hi - lo], source=left, tag=_TAG + k)
         q = p - (size - 1)  # block rank - q was sent in phase q: that send must be done before it is overwritten
         if (q, k) in sends:
-            wait([sends.pop((q, k))])
+            yield [sends.pop((q, k))]
         return mpi.Irecv(flat[lo:hi], source=left, tag=_TAG + k)
 
     first = cuts[rank]
-    recvs = [post_recv(0, k) for k in range(segments)]
+    recvs = []
+    for k in range(segments):
+        recvs.append((yield from post_recv(0, k)))
     for k in range(segments):
         sends[0, k] = mpi.Isend(flat[first[k]:first[k + 1]], dest=right, tag=_TAG + k)
     for p in range(phases):
         got = cuts[recv_blocks[p]]
         for k in range(segments):
-            wait([recvs[k]])
+            yield [recvs[k]]
             lo, hi = got[k], got[k + 1]
             if p < size - 1:
                 np.add(flat[lo:hi], incoming[2 * k + p % 2][:hi - lo], out=flat[lo:hi])
             if p + 1 < phases:  # the segment just completed is the next phase's to send
                 sends[p + 1, k] = mpi.Isend(flat[lo:hi], dest=right, tag=_TAG + k)
-                recvs[k] = post_recv(p + 1, k)
-    wait(list(sends.values()))
+                recvs[k] = yield from post_recv(p + 1, k)
+    yield list(sends.values())

@@ -22,13 +22,14 @@ transport (``lane=True``) they wait by polling and yielding the CPU
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from . import ring as ring_mod
 from .handle import COLLECTIVE_NAP, wait_requests
-from .ring import ring_allreduce, uses_ring
+from .ring import ring_steps, uses_ring
 
 __all__ = ["Transport", "MPITransport", "TRANSPORTS", "spans_nodes"]
 
@@ -83,6 +84,27 @@ class Transport:
     def allreduce_small(self, buf: Any, rop: Any) -> None:
         """Reduce host buffer ``buf`` in place, ``buf`` under ``ring.RING_BYTES`` (the fused fast path's all-reduce)."""
         self.allreduce(None, buf, rop)
+
+    steps = False
+    """Whether ``allreduce_steps`` really moves data in steps a caller can drive (else it runs whole)."""
+
+    def allreduce_steps(self, send: Any, recv: Any, rop: Any) -> Iterator[list[Any]]:
+        """``allreduce`` as a generator that yields each list of requests it waits for.
+
+        Whoever drives it either waits for each list (``wait``) or tests it (``test``) and resumes
+        the generator later, so a caller's thread can move a collective forward between its own
+        work (``Lane.start``). This default runs ``allreduce`` whole and yields nothing.
+        """
+        self.allreduce(send, recv, rop)
+        yield from ()
+
+    def test(self, requests: list[Any]) -> bool:
+        """Return whether every request is complete (making progress where the library needs calls for it)."""
+        raise NotImplementedError
+
+    def wait_collective(self, requests: list[Any]) -> None:
+        """Wait for the requests of a whole collective (``allreduce_steps``'); by default as ``wait``."""
+        self.wait(requests)
 
     def allgather(self, send: Any, recv: Any) -> None:
         """Gather equal blocks: ``recv`` holds ``size`` copies of ``send``'s size, in rank order."""
@@ -201,14 +223,31 @@ class MPITransport(Transport):
         else:
             blocking(*args)
 
+    steps = True
+
     def allreduce(self, send: Any, recv: Any, rop: Any) -> None:
+        for requests in self.allreduce_steps(send, recv, rop):
+            self.wait_collective(requests)
+
+    def allreduce_steps(self, send: Any, recv: Any, rop: Any) -> Iterator[list[Any]]:
         mpi = self.mpi
         if uses_ring(self.size, recv, rop, self._MPI.SUM) and self._ring_here():  # see commwire.comm.ring
             if send is not None:
                 np.copyto(recv.reshape(-1), np.asarray(send).reshape(-1))
-            ring_allreduce(mpi, recv, _collective_wait if self.lane else self._MPI.Request.Waitall)
-            return
-        self._run(mpi.Allreduce, mpi.Iallreduce, self._in_place if send is None else send, recv, rop)
+            yield from ring_steps(mpi, recv)
+        elif self.lane:  # the non-blocking variant on a lane's communicator (see _run)
+            yield [mpi.Iallreduce(self._in_place if send is None else send, recv, rop)]
+        else:
+            mpi.Allreduce(self._in_place if send is None else send, recv, rop)
+
+    def test(self, requests: list[Any]) -> bool:
+        return bool(self._MPI.Request.Testall(requests))
+
+    def wait_collective(self, requests: list[Any]) -> None:
+        if self.lane:
+            _collective_wait(requests)
+        else:
+            self._MPI.Request.Waitall(requests)
 
     def allreduce_small(self, buf: Any, rop: Any) -> None:
         # No ring test and no hand-off: at 8 bytes these calls cost as much as the Allreduce (~1.5 us).

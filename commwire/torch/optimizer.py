@@ -71,7 +71,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "propagate" (default: pass it to the optimizer, so AMP loss scaling sees
             it), "skip" (skip the step on every rank alike) or "raise"
             (FloatingPointError naming the parameters).
-        overlap: run collectives on a background thread during backward.
+        overlap: reduce buckets while backward runs (True; "lane": always on a background thread; False: in step()).
         comm: communicator (default: the process set's, or commwire's world before hvd.init()).
         model: the trained module; needed by GIFT compressions (``Compression.gift_fp8``),
             whose transform uses its ``nn.Linear`` input statistics (commwire.torch.gift).
@@ -100,7 +100,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / _MB,
         find_unused_parameters: bool = False,
         on_nonfinite: str = "propagate",
-        overlap: bool = True,
+        overlap: bool | str = True,
         comm: Communicator | None = None,
         model: torch.nn.Module | None = None,
     ) -> None:
