@@ -289,7 +289,8 @@ class FusionBuffer:
             buffer *= self.postscale
         return time.perf_counter() - start
 
-    def _reduce_steps(self, comm: Communicator, bucket: Bucket, buffer: Any) -> Generator[list[Any], None, float] | None:
+    def _reduce_steps(self, comm: Communicator, bucket: Bucket,
+                      buffer: Any) -> Generator[list[Any], None, float] | None:
         """``_reduce`` of an uncompressed host bucket in steps (``Communicator.allreduce_steps``), or None."""
         if arrays.is_device_array(buffer):
             return None

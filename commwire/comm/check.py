@@ -35,8 +35,8 @@ import numpy as np
 
 from .handle import wait_yielding
 
-__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "exchange_steps", "resync", "signature_hash",
-           "OK", "INVALID", "JOINED", "SYNC"]
+__all__ = ["CollectiveMismatchError", "CollectiveError", "Round", "exchange", "exchange_steps", "resync",
+           "signature_hash", "OK", "INVALID", "JOINED", "SYNC"]
 
 
 class CollectiveMismatchError(ValueError, RuntimeError):
@@ -115,7 +115,8 @@ def exchange(mpi_comm: Any, sig: tuple[Any, ...] | None, error: BaseException | 
     return _round(mpi_comm, sig, error, everyone)
 
 
-def exchange_steps(mpi_comm: Any, sig: tuple[Any, ...], error: BaseException | None) -> Generator[list[Any], None, Round]:
+def exchange_steps(mpi_comm: Any, sig: tuple[Any, ...],
+                   error: BaseException | None) -> Generator[list[Any], None, Round]:
     """``exchange`` for a rank outside ``join()``, as a generator that yields the request it waits for."""
     mine, everyone = _descriptors(mpi_comm, sig, error, -1)
     yield [mpi_comm.Iallgather(mine, everyone)]

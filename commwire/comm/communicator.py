@@ -352,7 +352,8 @@ class Communicator(AgreementProtocol):
         self._record("allreduce", name, plan.nbytes, start)
         return result
 
-    def _fused_steps(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Generator[list[Any], None, Any]:
+    def _fused_steps(self, agreed: Agreed, x: np.ndarray, out: Any,
+                     name: str | None) -> Generator[list[Any], None, Any]:
         """The fast path's small all-reduce (the flag in the buffer), in steps, in a buffer of its own."""
         start = _perf()
         n, wdt, mop, valid, _, average = agreed.fused
