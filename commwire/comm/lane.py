@@ -53,20 +53,20 @@ class _Stepped(Handle):
 
     __slots__ = ("_steps", "_current", "_error", "lane")
 
-    def __init__(self, steps: Generator[list[Any], None, Any], name: str | None) -> None:
+    def __init__(self, lane: Lane, steps: Generator[list[Any], None, Any], name: str | None) -> None:
         super().__init__([], _no_finish, name)
+        self.lane = lane
         self._steps: Generator[list[Any], None, Any] | None = steps
         self._current: list[Any] | None = None  # the requests it waits for; None: not started
         self._error: BaseException | None = None
-        self.lane: Lane | None = None
 
     def test(self) -> bool:
-        if not self._done and self.lane is not None:
+        if not self._done:
             self.lane.progress()
         return self._done
 
     def wait(self) -> Any:
-        if not self._done and self.lane is not None:
+        if not self._done:
             self.lane.finish(self)
         if self._error is not None:
             raise self._error
@@ -158,8 +158,7 @@ class Lane:
                 except Exception:  # noqa: BLE001 - ``whole`` meets the same error, on every rank alike
                     gen = None
                 if gen is not None:
-                    handle = _Stepped(gen, label or kwargs.get("name"))
-                    handle.lane = self
+                    handle = _Stepped(self, gen, label or kwargs.get("name"))
                     self._queued += 1
                     self._stepping.append(handle)
                 elif not self._stepping:

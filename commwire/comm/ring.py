@@ -13,11 +13,11 @@ summed in the same order on every rank and then copied, so all ranks get identic
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["RING_BYTES", "SEGMENT_BYTES", "MAX_SEGMENTS", "ONE_NODE", "ring_allreduce", "ring_steps", "uses_ring"]
+__all__ = ["RING_BYTES", "SEGMENT_BYTES", "MAX_SEGMENTS", "ONE_NODE", "ring_steps", "uses_ring"]
 
 RING_BYTES = 1 << 20
 """Sums of float arrays from this many bytes, on 3 ranks or more spread over nodes, take the ring."""
@@ -45,18 +45,11 @@ def uses_ring(size: int, recv: Any, rop: Any, sum_op: Any) -> bool:
             and recv.flags.c_contiguous and rop == sum_op)
 
 
-def ring_allreduce(mpi: Any, buf: np.ndarray, wait: Callable[[list[Any]], None]) -> None:
+def ring_steps(mpi: Any, buf: np.ndarray) -> Iterator[list[Any]]:
     """Sum ``buf`` (contiguous, the same length on every rank) over ``mpi`` in place, by the ring.
 
-    ``wait`` waits for a list of requests (the transport's: blocking, or yielding on a lane thread).
-    """
-    for requests in ring_steps(mpi, buf):
-        wait(requests)
-
-
-def ring_steps(mpi: Any, buf: np.ndarray) -> Iterator[list[Any]]:
-    """The ring all-reduce of ``buf`` as a generator: it yields each list of requests it must see
-    completed before it goes on (whoever drives it waits for them, or tests them and resumes later).
+    A generator: it yields each list of requests it must see completed before it goes on (whoever
+    drives it waits for them, or tests them and resumes later; ``handle.drive``).
 
     The ``2 * (size - 1)`` phases run as one pipeline: the block a rank receives in one phase is
     the block it sends in the next, so each segment goes on to the right neighbour as soon as it

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import ring as ring_mod
-from .handle import COLLECTIVE_NAP, wait_requests
+from .handle import COLLECTIVE_NAP, drive, wait_requests
 from .ring import ring_steps, uses_ring
 
 __all__ = ["Transport", "MPITransport", "TRANSPORTS", "spans_nodes"]
@@ -226,8 +226,7 @@ class MPITransport(Transport):
     steps = True
 
     def allreduce(self, send: Any, recv: Any, rop: Any) -> None:
-        for requests in self.allreduce_steps(send, recv, rop):
-            self.wait_collective(requests)
+        drive(self.allreduce_steps(send, recv, rop), self.wait_collective)
 
     def allreduce_steps(self, send: Any, recv: Any, rop: Any) -> Iterator[list[Any]]:
         mpi = self.mpi
