@@ -149,7 +149,7 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
                 (codec, f"commwire torch ({backend})",
                  lambda: cw.allreduce(tx, codec=codec, out=t_out, name="bench.c", comm=tcomm)),
             ]
-        from ..codecs.collective import TUNE_CALLS
+        from ..codecs.collective import TUNE_CALLS, tuned_segment_bytes
 
         for kind, _, fn in arms:  # warm-up: connections, buffers, numba, the codec segment tuner
             for _ in range(2 + (TUNE_CALLS if kind != "fp32" else 0)):
@@ -166,6 +166,8 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
             base, baseline = ((medians[0], arms[0][1]) if kind == "fp32"
                               else (medians[fp32_arms], f"{codec} on commwire mpi"))
             rows.append(_row(world.size, n * 4, kind, label, samples[i], base, baseline, n * 4))
+            if kind != "fp32":  # the tuner's choice explains a slow arm (more segments: more messages)
+                rows[-1]["segment_bytes"] = tuned_segment_bytes(world if "mpi" in label else tcomm, codec, n)
     for nbytes in exchange or []:
         rows += exchange_rows(world, nbytes, max(repeats, 5))
     tcomm.free()
@@ -180,11 +182,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table."""
     from .allreduce import _human
 
-    head = "| ranks | size | payload | arm | median ms | min–max ms | GB/s | ratio | vs |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| ranks | size | payload | arm | median ms | min–max ms | GB/s | ratio | vs | segment KiB |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        seg = f"{r['segment_bytes'] / 1024:.0f}" if r.get("segment_bytes") else "-"
         lines.append(f"| {r['ranks']} | {_human(r['bytes'])} | {r['kind']} | {r['arm']} | {_ms(r['median_ms'])} | "
-                     f"{_ms(r['min_ms'])}–{_ms(r['max_ms'])} | {r['GBps']:.3f} | {r['ratio']:.3f} | {r['baseline']} |")
+                     f"{_ms(r['min_ms'])}–{_ms(r['max_ms'])} | {r['GBps']:.3f} | {r['ratio']:.3f} | {r['baseline']} "
+                     f"| {seg} |")
     return "\n".join(lines)
 
 

@@ -347,7 +347,8 @@ class Communicator(AgreementProtocol):
         yield from self._agree_steps(sig, error)  # raises on every rank if any rank's arguments are wrong or differ
         assert plan is not None
         recv, send = plan.buffers()
-        yield from self.transport.allreduce_steps(send, recv, plan.mop)
+        with self.watched("allreduce", name):  # as _allreduce's _move: the watchdog sees the same collectives
+            yield from self.transport.allreduce_steps(send, recv, plan.mop)
         result = plan.finish(recv)
         self._record("allreduce", name, plan.nbytes, start)
         return result
@@ -360,7 +361,8 @@ class Communicator(AgreementProtocol):
         buf = np.empty(n + 1, dtype=wdt)
         np.copyto(buf[:n].reshape(x.shape), x)
         buf[n] = valid
-        yield from self.transport.allreduce_steps(None, buf, mop)
+        with self.watched("allreduce", name):  # as _allreduce_fast's _move
+            yield from self.transport.allreduce_steps(None, buf, mop)
         result = buf[:n].reshape(x.shape)
         return self._fast_finish(agreed, x, out, name, result, buf.item(n) != valid, average, start)
 
@@ -387,25 +389,28 @@ class Communicator(AgreementProtocol):
                 self.counters.record("allreduce", x.nbytes, _perf() - start)
                 return result
             result = head
-        else:  # a tiny all-reduce of the flag travels beside the data
-            return self._move("allreduce", name, drive, self._plain_steps(agreed, x, out, name),
-                              self.transport.wait_collective)
+        else:  # a tiny all-reduce of the flag travels beside the data (the steps register with the watchdog)
+            return drive(self._plain_steps(agreed, x, out, name), self.transport.wait_collective)
         return self._fast_finish(agreed, x, out, name, result, flagged, average, start)
 
     def _plain_steps(self, agreed: Agreed, x: np.ndarray, out: Any,
                      name: str | None) -> Generator[list[Any], None, Any]:
-        """The fast path's all-reduce of a large array, in steps (``allreduce_steps``); returns the result."""
+        """The fast path's all-reduce of a large array, in steps (``allreduce_steps``); returns the result.
+
+        Run whole (``drive``) or stepped, it registers the same waits with the stall watchdog.
+        """
         start = _perf()
         mop, average = agreed.plain
-        flag = self._flag_start(False)
         if out is x:
             result, send = x, None
         else:
             result, send = (np.empty_like(x) if out is None else out), x
-        try:
-            yield from self.transport.allreduce_steps(send, result, mop)
-        finally:
-            flagged = self._flag_wait(flag, agreed.sig)
+        with self.watched("allreduce", name):
+            flag = self._flag_start(False)
+            try:
+                yield from self.transport.allreduce_steps(send, result, mop)
+            finally:
+                flagged = self._flag_wait(flag, agreed.sig)
         return self._fast_finish(agreed, x, out, name, result, flagged, average, start)
 
     def _fast_finish(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None, result: Any, flagged: bool,

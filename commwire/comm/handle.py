@@ -25,8 +25,9 @@ _YIELDS = 16
 """Tests a lane makes, yielding between them, before it naps (a short message is done by then)."""
 _NAP = 100e-6
 """The longest a lane sleeps between later tests; each nap is at most 1/8 of the time waited so
-far, so a wait ends at most ~12% (plus the timer's slack) after its requests complete. Yielding alone still burns the core when the other
-ranks' threads are the only ones runnable: on 4 lab hosts sharing 2 cores, ranks whose lanes
+far, so a wait ends at most ~12% (plus the timer's slack) after its requests complete.
+Yielding alone still burns the core when the other ranks' threads are the only ones
+runnable: on 4 lab hosts sharing 2 cores, ranks whose lanes
 spun in sched_yield slowed the others' encoding, and a DDP step with the FP8 hook took 436 ms
 against 398 ms with naps (commwire bench ddp setup, interleaved in one job)."""
 

@@ -178,17 +178,15 @@ class Lane:
 
     def finish(self, handle: _Stepped) -> None:
         """Block until stepped ``handle`` (and the stepped work before it) has finished."""
-        with self._step_lock:
+        with self._step_lock:  # the steps register their waits with the stall watchdog themselves
             if not handle._done:
-                with self.comm.watched("stepped", handle.name):
-                    self._advance(True, handle)
+                self._advance(True, handle)
 
     def drain(self) -> None:
         """Block until every stepped work has finished (its errors stay with its handle)."""
         if self._stepping:
             with self._step_lock:
-                with self.comm.watched("stepped"):
-                    self._advance(True, None)
+                self._advance(True, None)
 
     def _advance(self, block: bool, until: _Stepped | None) -> None:
         # Called with _step_lock held; the head of _stepping moves, each in turn.

@@ -171,7 +171,8 @@ class AgreementProtocol:
 
     def _agree_steps(self, sig: Signature, error: BaseException | None) -> Generator[list[Any], None, Round]:
         """``_agree`` as a generator that yields the exchange's request (``Communicator.allreduce_steps``)."""
-        rnd = yield from exchange_steps(self.mpi, sig, error)
+        with self.watched("check " + str(sig[0]), sig[1]):
+            rnd = yield from exchange_steps(self.mpi, sig, error)
         return self._joinable(sig, rnd)
 
     def _joinable(self, sig: Signature, rnd: Round) -> Round:

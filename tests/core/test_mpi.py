@@ -126,6 +126,15 @@ def test_singleton_without_mpiexec():
     assert proc.stdout.strip() == "[0.0, 1.0, 2.0] multiple"
 
 
+def _aborted_after_stall(script: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` on 3 ranks (it sets a 2 s stall timeout); return the job, checked to have aborted in time."""
+    start = time.monotonic()
+    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 2 + 10
+    return proc
+
+
 def test_watchdog_names_the_missing_rank_and_aborts(tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(
@@ -136,13 +145,47 @@ def test_watchdog_names_the_missing_rank_and_aborts(tmp_path):
         "    time.sleep(60)\n"
         "cw.allreduce(np.ones(4), name='grad.layer3')\n"
     )
-    start = time.monotonic()
-    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=60)
-    assert proc.returncode != 0
-    assert time.monotonic() - start < 2 + 10
+    proc = _aborted_after_stall(script)
     assert "allreduce 'grad.layer3'" in proc.stderr
     assert "missing from this collective: ranks [1]" in proc.stderr
     assert "rank 1: not in any collective; last completed allreduce 'warmup'" in proc.stderr
+
+
+def test_watchdog_report_is_the_same_for_stepped_and_lane_collectives(tmp_path):
+    # Rank 0 moves its all-reduces on its own thread (Communicator.start, polled with test()),
+    # rank 2 runs them on the lane: both must be seen in the same collective, under its name,
+    # while rank 1 is late; a polling rank must be watched too.
+    script = tmp_path / "stepped_stall.py"
+    script.write_text(
+        "import commwire as cw, numpy as np, time\n"
+        "from commwire.comm.communicator import Communicator\n"
+        "world = cw.init(timeout=2)\n"
+        "arrays = {'big': np.ones(1 << 16), 'small': np.ones(4)}  # the flag beside the data; in it\n"
+        "for name, a in arrays.items():\n"
+        "    world.allreduce_async(a, name=name).wait()  # agreed: later calls may step\n"
+        "for i in range(3):\n"
+        "    if cw.rank() == 1 and i == 2:\n"
+        "        time.sleep(60)\n"
+        "    for name, a in arrays.items():\n"
+        "        if cw.rank() == 0:\n"
+        "            h = world.start(Communicator.allreduce_steps, Communicator.allreduce, a, name=name)\n"
+        "            assert type(h).__name__ == '_Stepped', h\n"
+        "            while not h.test():\n"
+        "                time.sleep(0.001)\n"
+        "        else:\n"
+        "            h = world.allreduce_async(a, name=name)\n"
+        "        assert h.wait()[0] == 3.0\n"
+    )
+    proc = _aborted_after_stall(script)
+    reports = [block for block in proc.stderr.split("commwire watchdog: ")[1:]]
+    assert reports, proc.stderr
+    for report in reports:
+        assert report.startswith(("rank 0 has waited", "rank 2 has waited")), report
+        assert " in allreduce 'big' " in report.splitlines()[0], report
+        assert "missing from this collective: ranks [1]" in report, report
+        assert "rank 1: not in any collective; last completed allreduce 'small'" in report, report
+        assert report.count("in the same collective") == 2, report  # ranks 0 and 2
+    assert "stepped" not in proc.stderr
 
 
 def test_rank_left_in_a_collective_after_its_peers_ended_aborts_at_once(tmp_path):

@@ -35,3 +35,16 @@ def test_rendezvous_with_master_addr():
     proc = run_mpi(2, ["-c", RENDEZVOUS], timeout=120, env={"MASTER_ADDR": "127.0.0.1", "COMMWIRE_TIMEOUT": "30"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "seen [(0, 2, [3.0, 3.0, 3.0]), (1, 2, [3.0, 3.0, 3.0])]" in proc.stdout
+
+
+def test_transports_table_shows_the_tuned_segment_of_compressed_rows():
+    from commwire.bench.transports import format_table
+
+    row = {"ranks": 4, "bytes": 1 << 20, "median_ms": 5.0, "min_ms": 4.0, "max_ms": 9.0, "GBps": 0.2, "ratio": 1.5}
+    table = format_table([{**row, "kind": "fp32", "arm": "commwire torch (gloo)", "baseline": "gloo"},
+                          {**row, "kind": "fp8-e4m3", "arm": "commwire torch (gloo)", "baseline": "fp8 on mpi",
+                           "segment_bytes": 512 << 10}])
+    lines = table.splitlines()
+    assert lines[0].endswith("| segment KiB |") and lines[2].endswith("| gloo | - |")
+    assert lines[3] == ("| 4 | 1 MiB | fp8-e4m3 | commwire torch (gloo) | 5.00 | 4.00–9.00 | 0.200 | 1.500 | "
+                        "fp8 on mpi | 512 |")
