@@ -30,7 +30,8 @@ MODULES = ("allreduce", "transports", "codecs", "glm", "torch_ddp", "grouped", "
 
 STUDIES = {"lordo": "commwire run -np N python benchmarks/lordo.py",
            "gift": "commwire run -np N python benchmarks/gift.py",
-           "calibrate": "python benchmarks/calibrate.py"}
+           "calibrate": "python benchmarks/calibrate.py",
+           "jobs": "python benchmarks/jobs.py"}
 """The command that runs each research study of the repository's ``benchmarks/`` folder from a checkout."""
 
 

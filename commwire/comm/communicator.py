@@ -408,7 +408,8 @@ class Communicator(AgreementProtocol):
         with self.watched("allreduce", name):
             flag = self._flag_start(False)
             try:
-                yield from self.transport.allreduce_steps(send, result, mop)
+                with self._flag_beside(flag):
+                    yield from self.transport.allreduce_steps(send, result, mop)
             finally:
                 flagged = self._flag_wait(flag, agreed.sig)
         return self._fast_finish(agreed, x, out, name, result, flagged, average, start)

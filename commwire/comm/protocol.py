@@ -15,7 +15,8 @@ of the collective together, and the next collective pairs up:
   signature — a rank whose arguments deviate, or are invalid, moves zeros —
   and the flag travels in the same buffer (all-reduces up to 128 KiB, so the
   latency-bound case costs one message) or in a tiny all-reduce overlapped
-  with the data. A raised flag sends every rank to the full exchange: either
+  with the data (a transport whose data moves outside MPI tests it while it
+  waits: ``Transport.beside``). A raised flag sends every rank to the full exchange: either
   every rank changed its arguments alike (a new shape for the same name; the
   collective is redone) or every rank raises the same error.
 * ``check=False``: no agreement; a bad argument raises on its rank only.
@@ -41,7 +42,8 @@ A collective is four pieces handed to ``run_collective``:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -152,7 +154,8 @@ class AgreementProtocol:
         else:
             flag = self._flag_start(deviates)
             try:
-                result = dummy(agreed.sig) if deviates else run()
+                with self._flag_beside(flag):
+                    result = dummy(agreed.sig) if deviates else run()
             finally:
                 flagged = self._flag_wait(flag, sig)
         if not flagged:
@@ -195,6 +198,16 @@ class AgreementProtocol:
         mine = np.array([int(deviates)], dtype=np.int32)
         everyone = np.empty(1, dtype=np.int32)
         return self.mpi.Iallreduce(mine, everyone, self._MPI.MAX), mine, everyone
+
+    @contextmanager
+    def _flag_beside(self, flag: tuple[Any, np.ndarray, np.ndarray]) -> Iterator[None]:
+        """Let the transport move the flag's all-reduce on while it waits for the data (``Transport.beside``)."""
+        transport = self.transport
+        transport.beside = flag[0]
+        try:
+            yield
+        finally:
+            transport.beside = None
 
     def _flag_wait(self, flag: tuple[Any, np.ndarray, np.ndarray], sig: Signature) -> bool:
         with self.watched("check " + str(sig[0]), sig[1]):

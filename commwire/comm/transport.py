@@ -88,6 +88,11 @@ class Transport:
     steps = False
     """Whether ``allreduce_steps`` really moves data in steps a caller can drive (else it runs whole)."""
 
+    beside: Any = None
+    """The MPI request of the agreement flag of the collective whose data this transport is moving, or
+    None; set by the protocol around the data move. MPI moves the flag only inside MPI calls: a transport
+    whose data travels outside them tests it while it waits for its own work (``TorchTransport.wait``)."""
+
     def allreduce_steps(self, send: Any, recv: Any, rop: Any) -> Iterator[list[Any]]:
         """``allreduce`` as a generator that yields each list of requests it waits for.
 

@@ -48,3 +48,47 @@ def test_transports_table_shows_the_tuned_segment_of_compressed_rows():
     assert lines[0].endswith("| segment KiB |") and lines[2].endswith("| gloo | - |")
     assert lines[3] == ("| 4 | 1 MiB | fp8-e4m3 | commwire torch (gloo) | 5.00 | 4.00–9.00 | 0.200 | 1.500 | "
                         "fp8 on mpi | 512 |")
+
+
+class _Work:
+    """A torch Work stand-in that completes after ``polls`` calls of is_completed()."""
+
+    def __init__(self, polls):
+        self.polls = polls
+
+    def is_completed(self):
+        self.polls -= 1
+        return self.polls < 0
+
+
+class _Flag:
+    """An MPI request stand-in that completes after ``tests`` calls of Test()."""
+
+    def __init__(self, tests):
+        self.tests = 0
+        self.needed = tests
+
+    def Test(self):  # noqa: N802 - mpi4py's name
+        self.tests += 1
+        return self.tests > self.needed
+
+
+@pytest.mark.parametrize("flag_tests, data_polls, done", [(2, 50, True), (50, 2, False), (0, 0, True)])
+def test_the_torch_transport_moves_the_agreement_flag_on_while_it_waits_for_its_data(flag_tests, data_polls, done):
+    # MPI moves the flag only inside MPI calls: the transport tests it until it or the data is complete.
+    from commwire.comm.torch_transport import TorchTransport, _Request
+
+    transport = TorchTransport.__new__(TorchTransport)  # no process group needed for the waiting logic
+    flag = transport.beside = _Flag(flag_tests)
+    transport._move_beside([_Request(_Work(data_polls)), _Request(_Work(10**6), pollable=False)])
+    assert flag.tests == (flag_tests + 1 if done else data_polls + 1)
+    assert (transport.beside is None) == done  # not done: the collective's next wait (or the protocol) goes on
+
+
+def test_the_torch_transport_leaves_the_flag_alone_when_no_work_can_be_polled():
+    from commwire.comm.torch_transport import TorchTransport, _Request
+
+    transport = TorchTransport.__new__(TorchTransport)
+    flag = transport.beside = _Flag(3)
+    transport._move_beside([_Request(_Work(10), pollable=False)])
+    assert flag.tests == 0 and transport.beside is flag
