@@ -10,7 +10,7 @@ tuner's choice and the link's state differ from job to job. A claim such as
 ``--jobs`` times, one after the other, collects every job's rows and prints, for
 each row (keyed by ``--key`` fields), the ``--value`` field of every job, their
 median and range and, where ``--within KIND=LIMIT`` gives a limit for the row's
-``kind``, in how many jobs the value was at most that limit.
+``kind`` (``*``: every row), in how many jobs the value was at most that limit.
 
 Run from a checkout of the repository (a lab up first for ``--lab``):
     python benchmarks/jobs.py --jobs 3 --lab -np 4 --within fp32=1.05,fp8-e4m3=1.10 -- \\
@@ -61,7 +61,8 @@ def merge(jobs: list[list[dict[str, Any]]], key: list[str], value: str,
     """Return one row per key, in the first job's order, with every job's ``value`` and their spread.
 
     A key missing from some job (a failed size, a different row set) is reported with the jobs
-    that have it; ``jobs_within`` counts the values at most the row kind's limit (None: no limit).
+    that have it; ``jobs_within`` counts the values at most the row kind's limit, else ``within["*"]``
+    (None: no limit).
     """
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     for rows in jobs:
@@ -76,7 +77,7 @@ def merge(jobs: list[list[dict[str, Any]]], key: list[str], value: str,
     out = []
     for entry in merged.values():
         values = entry["values"]
-        limit = within.get(str(entry.get("kind")))
+        limit = within.get(str(entry.get("kind")), within.get("*"))
         out.append({**entry, "median": statistics.median(values), "min": min(values), "max": max(values),
                     "limit": limit, "jobs_within": None if limit is None else sum(v <= limit for v in values)})
     return out
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lab", action="store_true", help="run each job across the emulated lab (commwire run --lab)")
     parser.add_argument("--key", default=DEFAULT_KEY, help=f"fields that identify a row (default {DEFAULT_KEY})")
     parser.add_argument("--value", default="ratio", help="the field compared across jobs (default ratio)")
-    parser.add_argument("--within", default="", help="limits per row kind, e.g. fp32=1.05,fp8-e4m3=1.10")
+    parser.add_argument("--within", default="", help="limits per row kind, e.g. fp32=1.05,fp8-e4m3=1.10 "
+                        "('*=1.0': every row without a limit of its own)")
     parser.add_argument("--json", dest="json_path", help="also write the merged rows here")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- NAME [the benchmark's own arguments]")
     return parser

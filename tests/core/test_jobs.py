@@ -28,6 +28,13 @@ def test_merge_gives_every_jobs_value_its_median_range_and_jobs_within_the_kinds
     assert "| 4 | 1 MiB | fp8 | torch | 1.500 / 0.900 | 1.200 | 0.900–1.500 | - |" in table
 
 
+def test_a_star_limit_applies_to_rows_without_a_kind_or_a_limit_of_their_own():
+    runs = [[{"config": "DDP", "ratio_vs_ddp": 1.0}, {"config": "commwire fp32", "ratio_vs_ddp": 0.99}],
+            [{"config": "DDP", "ratio_vs_ddp": 1.0}, {"config": "commwire fp32", "ratio_vs_ddp": 1.02}]]
+    merged = jobs.merge(runs, ["config"], "ratio_vs_ddp", {"*": 1.0, "fp8": 2.0})
+    assert [r["jobs_within"] for r in merged] == [2, 1] and merged[1]["limit"] == 1.0
+
+
 @pytest.mark.parametrize("text, message", [
     ("fp32", "--within 'fp32': give KIND=LIMIT"),
     ("fp32=x", "--within 'fp32=x'"),
