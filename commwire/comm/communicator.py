@@ -27,6 +27,7 @@ travel as order-preserving integers reduced by the transport's own MIN/MAX
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Generator
@@ -295,12 +296,21 @@ class Communicator(AgreementProtocol):
         Returns:
             The reduced array, of the same kind, dtype, shape and device as ``x``.
         """
-        # Fast path for the common case (a contiguous numpy array whose signature was agreed
-        # before): the general path costs several microseconds of Python, as much as a small
-        # MPI_Allreduce itself.
+        # Fast path for the common case (a contiguous numpy array, or a CPU torch tensor through
+        # its numpy view, whose signature was agreed before): the general path costs several
+        # microseconds of Python, as much as a small MPI_Allreduce itself (8 B, 2 ranks: a
+        # tensor took 19.6 us by the general path, 7.1 us by this one, numpy 5.0-5.7 us).
         agreed = self._fast_entry(x, op, out, name)
         if agreed is not None:
             return self._allreduce_fast(agreed, x, out, name)
+        if type(x) is not np.ndarray:
+            view = _cpu_tensor_view(x, out)
+            if view is not None:
+                inplace = out is x
+                agreed = self._fast_entry(view, op, view if inplace else None, name)
+                if agreed is not None:  # a CPU tensor takes the numpy fast path through its own memory
+                    result = self._allreduce_fast(agreed, view, view if inplace else None, name)
+                    return x if inplace else _tensor_of(result)
         return self._allreduce(x, op, out, name)
 
     def _fast_entry(self, x: Any, op: str, out: Any, name: str | None) -> Agreed | None:
@@ -1009,6 +1019,25 @@ def _wire(dtype: np.dtype, op: str, device: bool, transport: Transport) -> tuple
     if device and op in ("min", "max") and wdt in _ORDERED:
         return _ORDERED[wdt], transport.reduce_op(op, _ORDERED[wdt]), True
     return wdt, transport.reduce_op(op, dtype), False
+
+
+def _cpu_tensor_view(x: Any, out: Any) -> np.ndarray | None:
+    """Return the numpy view of CPU torch tensor ``x`` where ``allreduce(x, out=out)`` may take the numpy
+    fast path (``out`` None or ``x`` itself), else None. Never imports torch: without it no tensor exists."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or (out is not None and out is not x):
+        return None
+    if x.device.type != "cpu" or x.requires_grad:
+        return None
+    try:
+        return x.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), a conjugate or negative view
+        return None
+
+
+def _tensor_of(result: np.ndarray) -> Any:
+    """Return the fast path's new result array as a CPU tensor sharing its memory."""
+    return sys.modules["torch"].from_numpy(result)
 
 
 def _plain_out(out: Any, x: np.ndarray) -> bool:

@@ -58,6 +58,10 @@ CASES = {
     "mismatched dtype, torch": (lambda c, n, bad: c.allreduce(torch.ones(7, dtype=torch.int32 if bad else
                                                                           torch.float32), name=n),
                                 RuntimeError),
+    "mismatched shape, torch (small)": (lambda c, n, bad: c.allreduce(torch.ones(3 + bad), name=n),
+                                        cw.CollectiveMismatchError),
+    "mismatched shape, torch (large, in place)": (lambda c, n, bad: (lambda t: c.allreduce(t, out=t, name=n))(
+        torch.ones(50_000 + bad)), cw.CollectiveMismatchError),
     "out of the wrong shape": (lambda c, n, bad: c.allreduce(np.ones(4), out=np.empty(5 if bad else 4), name=n),
                                ValueError),
     "root out of range": (lambda c, n, bad: c.broadcast(np.ones(3), root=99 if bad else 0, name=n), ValueError),
@@ -112,6 +116,56 @@ def test_every_rank_raises_together(case, mode):
     _next_collective_works(comm)
     # the name stays usable with valid arguments
     _valid(case, comm, name)
+
+
+@pytest.mark.parametrize("n", [3, 100_000])  # the flag in the buffer (fast path's fused all-reduce); beside it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+def test_cpu_tensors_take_the_numpy_fast_path_with_exact_results(n, dtype, monkeypatch):
+    general = []
+    slow = cw.Communicator._allreduce
+    monkeypatch.setattr(cw.Communicator, "_allreduce", lambda self, *a: general.append(a) or slow(self, *a))
+    name = fresh("tensor")
+    base = torch.arange(n, dtype=torch.float64) % 97
+    want = (base * P + P * (P - 1) / 2).to(dtype)  # sum over ranks of base + r, exact in every dtype here
+    for call in range(4):
+        x = (base + R).to(dtype)
+        if call % 2:
+            got = WORLD.allreduce(x, name=name)
+            assert got is not x and torch.equal(x, (base + R).to(dtype))  # the input is left alone
+        else:
+            got = WORLD.allreduce(x, out=x, name=name)
+            assert got is x
+        assert type(got) is torch.Tensor and got.dtype == dtype and torch.equal(got, want), call
+    assert len(general) == 1  # only the first call (the agreement) took the general path
+    if dtype.is_floating_point:
+        avg = name + ".avg"
+        for _ in range(2):  # agreed, then the fast path
+            got = WORLD.allreduce((base + R).to(dtype), "avg", name=avg)
+            torch.testing.assert_close(got, want / P, rtol=1e-6, atol=0)
+        assert len(general) == 2
+
+
+def test_tensors_the_fast_path_cannot_view_take_the_general_path_with_exact_results(monkeypatch):
+    general = []
+    slow = cw.Communicator._allreduce
+    monkeypatch.setattr(cw.Communicator, "_allreduce", lambda self, *a: general.append(a) or slow(self, *a))
+    cases = {"bfloat16": lambda: torch.full((8,), R + 1.0, dtype=torch.bfloat16),
+             "requires_grad": lambda: torch.full((8,), R + 1.0, requires_grad=True),
+             "strided": lambda: torch.full((8, 2), R + 1.0)[:, 0],
+             "other out": lambda: torch.full((8,), R + 1.0)}
+    for label, make in cases.items():
+        name = fresh(label)
+        for _ in range(2):  # the second call is a steady-state one: the fast path would take it if it could
+            before = len(general)
+            x = make()
+            if label == "other out":
+                out = torch.empty(8)
+                got = WORLD.allreduce(x, out=out, name=name)
+                assert got is out
+            else:
+                got = WORLD.allreduce(x, name=name)
+            assert len(general) == before + 1, label
+            assert torch.equal(got.detach().float(), torch.full((len(got),), P * (P + 1) / 2)), label
 
 
 def test_errors_name_each_ranks_value():
