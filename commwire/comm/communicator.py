@@ -306,11 +306,11 @@ class Communicator(AgreementProtocol):
         if type(x) is not np.ndarray:
             view = _cpu_tensor_view(x, out)
             if view is not None:
-                inplace = out is x
-                agreed = self._fast_entry(view, op, view if inplace else None, name)
+                view_out = view if out is x else None
+                agreed = self._fast_entry(view, op, view_out, name)
                 if agreed is not None:  # a CPU tensor takes the numpy fast path through its own memory
-                    result = self._allreduce_fast(agreed, view, view if inplace else None, name)
-                    return x if inplace else _tensor_of(result)
+                    result = self._allreduce_fast(agreed, view, view_out, name)
+                    return x if view_out is not None else _tensor_of(result)
         return self._allreduce(x, op, out, name)
 
     def _fast_entry(self, x: Any, op: str, out: Any, name: str | None) -> Agreed | None:

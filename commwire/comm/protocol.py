@@ -42,8 +42,7 @@ A collective is four pieces handed to ``run_collective``:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -199,15 +198,9 @@ class AgreementProtocol:
         everyone = np.empty(1, dtype=np.int32)
         return self.mpi.Iallreduce(mine, everyone, self._MPI.MAX), mine, everyone
 
-    @contextmanager
-    def _flag_beside(self, flag: tuple[Any, np.ndarray, np.ndarray]) -> Iterator[None]:
+    def _flag_beside(self, flag: tuple[Any, np.ndarray, np.ndarray]) -> _Beside:
         """Let the transport move the flag's all-reduce on while it waits for the data (``Transport.beside``)."""
-        transport = self.transport
-        transport.beside = flag[0]
-        try:
-            yield
-        finally:
-            transport.beside = None
+        return _Beside(self.transport, flag[0])
 
     def _flag_wait(self, flag: tuple[Any, np.ndarray, np.ndarray], sig: Signature) -> bool:
         with self.watched("check " + str(sig[0]), sig[1]):
@@ -226,3 +219,18 @@ class AgreementProtocol:
                                "check=True (commwire.torch's process sets are)")
         with self.watched("resync"):
             resync(self.mpi)
+
+
+class _Beside:
+    """Hand a collective's flag request to its transport for the data move (a class: this is on the fast path)."""
+
+    __slots__ = ("transport", "request")
+
+    def __init__(self, transport: Any, request: Any) -> None:
+        self.transport, self.request = transport, request
+
+    def __enter__(self) -> None:
+        self.transport.beside = self.request
+
+    def __exit__(self, *exc: Any) -> None:
+        self.transport.beside = None
