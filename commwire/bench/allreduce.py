@@ -6,6 +6,8 @@ each, the algorithm bandwidth (message bytes / time) and the ratio.
 
 With ``--codec SPEC`` the compressed all-reduce is compared with the FP32
 MPI all-reduce instead, and its time is split into encode, transfer and decode.
+``--check`` picks the agreement mode of commwire's communicator (``first``, the
+default, ``true`` or ``false``; see commwire.comm.protocol).
 
 Run: ``commwire bench allreduce -np 4`` (or under any MPI launcher).
 """
@@ -28,6 +30,7 @@ HELP = "plain and compressed all-reduce vs raw mpi4py Allreduce"
 DRIVER = False
 
 DEFAULT_SIZES = "8,64,1K,16K,256K,1M,4M,16M,64M"
+CHECKS = {"first": "first", "true": True, "false": False}
 
 
 def parse_size(text: str) -> int:
@@ -75,12 +78,15 @@ def _iters_for(nbytes: int, budget_s: float) -> int:
 
 
 def run_allreduce_bench(
-    sizes: list[int], *, repeats: int = 7, budget_s: float = 0.02, codec: str | None = None
+    sizes: list[int], *, repeats: int = 7, budget_s: float = 0.02, codec: str | None = None,
+    check: bool | str = "first",
 ) -> list[dict[str, Any]]:
     """Time commwire vs the raw baseline for each message size; return table rows."""
     import commwire as cw
+    from ..codecs.collective import compressed_allreduce
 
-    comm = cw.init()
+    world = cw.init()
+    comm = world if check == world.check else world.duplicate(check=check)
     rows = []
     for nbytes in sizes:
         n = max(1, nbytes // 4)
@@ -98,7 +104,7 @@ def run_allreduce_bench(
                 comm.allreduce(x, out=cw_out)
         else:
             def ours() -> None:
-                cw.allreduce(x, codec=codec, out=cw_out, name="bench")
+                compressed_allreduce(comm, x, codec=codec, out=cw_out, name="bench")
 
         ours()  # first call: JIT compilation, buffers, lane: not part of the phase split
         if codec is not None:  # let the segment tuner settle first, as it does in the first steps of training
@@ -118,6 +124,7 @@ def run_allreduce_bench(
             "raw_GBps": n * 4 / t_raw / 1e9,
             "commwire_GBps": n * 4 / t_cw / 1e9,
             "ratio": t_cw / t_raw,
+            "check": check,
         }
         if codec is not None:
             row.update(_codec_breakdown(cw.stats(), n))
@@ -181,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--codec", default=None,
                         help="compare compressed all-reduces with the FP32 one: a spec or a comma list "
                              "(e.g. fp8-e4m3,nvfp4)")
+    parser.add_argument("--check", choices=sorted(CHECKS), default="first",
+                        help="commwire's agreement mode: first (default), true (every call) or false (none)")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
     return parser
 
@@ -216,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))  # one line and exit 2 on every rank, not a traceback per rank
     codecs = [c.strip() for c in args.codec.split(",") if c.strip()] if args.codec else [None]
     rows = [row for codec in codecs
-            for row in run_allreduce_bench(sizes, repeats=args.repeats, budget_s=args.budget, codec=codec)]
+            for row in run_allreduce_bench(sizes, repeats=args.repeats, budget_s=args.budget, codec=codec,
+                                           check=CHECKS[args.check])]
     import commwire as cw
 
     emit(format_table(rows), rows, args.json_path, rank=cw.rank())

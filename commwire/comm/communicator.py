@@ -303,7 +303,13 @@ class Communicator(AgreementProtocol):
         agreed = self._fast_entry(x, op, out, name)
         if agreed is not None:
             return self._allreduce_fast(agreed, x, out, name)
-        if type(x) is not np.ndarray:
+        if type(x) is np.ndarray:
+            if type(out) is np.ndarray and out is not x and _same_view(out, x):  # in place through another view
+                agreed = self._fast_entry(x, op, x, name)
+                if agreed is not None:
+                    self._allreduce_fast(agreed, x, x, name)
+                    return out
+        else:
             view = _cpu_tensor_view(x, out)
             if view is not None:
                 view_out = view if out is x else None
@@ -314,9 +320,10 @@ class Communicator(AgreementProtocol):
         return self._allreduce(x, op, out, name)
 
     def _fast_entry(self, x: Any, op: str, out: Any, name: str | None) -> Agreed | None:
-        """Return the agreed entry when ``allreduce(x, op, out=out, name=name)`` may take the fast path."""
-        if type(x) is np.ndarray and self.check == "first" and self.timeline is None:
-            agreed = self._agreed.get(("allreduce", name))
+        """Return the agreed entry (``check=False``: the known one) when ``allreduce(x, op, out=out, name=name)``
+        may take the fast path."""
+        if type(x) is np.ndarray and self.check is not True and self.timeline is None:
+            agreed = (self._agreed if self.check else self._known).get(("allreduce", name))
             if (agreed is not None and agreed.op == op and x.dtype == agreed.dtype and x.shape == agreed.shape
                     and x.flags.c_contiguous and (out is None or out is x or (
                         agreed.fused is not None and type(out) is np.ndarray and out.shape == x.shape
@@ -346,6 +353,8 @@ class Communicator(AgreementProtocol):
         agreed = self._fast_entry(x, op, out, name)
         if agreed is None:
             return None
+        if self.check is False:
+            return self._unchecked_steps(agreed, x, out, name)
         if agreed.fused is not None:
             return self._fused_steps(agreed, x, out, name)
         return self._plain_steps(agreed, x, out, name)
@@ -377,6 +386,8 @@ class Communicator(AgreementProtocol):
         return self._fast_finish(agreed, x, out, name, result, buf.item(n) != valid, average, start)
 
     def _allreduce_fast(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
+        if self.check is False:
+            return self._allreduce_unchecked(agreed, x, out, name)
         start = _perf()
         if agreed.fused is not None:  # the deviation flag rides in the buffer (reused: one copy in, one out)
             n, wdt, mop, valid, _, average = agreed.fused
@@ -423,6 +434,36 @@ class Communicator(AgreementProtocol):
             finally:
                 flagged = self._flag_wait(flag, agreed.sig)
         return self._fast_finish(agreed, x, out, name, result, flagged, average, start)
+
+    def _allreduce_unchecked(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None) -> Any:
+        """The fast path of a communicator that does not agree (``check=False``): the data alone, no flag."""
+        if agreed.fused is None:
+            return drive(self._unchecked_steps(agreed, x, out, name), self.transport.wait_collective)
+        start = _perf()  # small: reduced in place (in x, out or a copy), without the ring test or a hand-off
+        if out is x:
+            buf = x
+        elif out is not None and _plain_out(out, x):
+            buf = out
+            np.copyto(out, x)
+        else:
+            buf = np.array(x)
+        self._move("allreduce", name, self.transport.allreduce_small, buf, agreed.plain[0])
+        return self._fast_finish(agreed, x, out, name, buf, False, agreed.plain[1], start)
+
+    def _unchecked_steps(self, agreed: Agreed, x: np.ndarray, out: Any,
+                         name: str | None) -> Generator[list[Any], None, Any]:
+        """``_allreduce_unchecked`` in steps (``allreduce_steps``); returns the result."""
+        start = _perf()
+        mop, average = agreed.plain
+        if out is x:
+            result, send = x, None
+        elif out is None or _plain_out(out, x):
+            result, send = (np.empty_like(x) if out is None else out), x
+        else:  # an out the data cannot land in directly (strided, or overlapping x): reduce a copy
+            result, send = np.array(x), None
+        with self.watched("allreduce", name):
+            yield from self.transport.allreduce_steps(send, result, mop)
+        return self._fast_finish(agreed, x, out, name, result, False, average, start)
 
     def _fast_finish(self, agreed: Agreed, x: np.ndarray, out: Any, name: str | None, result: Any, flagged: bool,
                      average: bool, start: float) -> Any:
@@ -489,6 +530,8 @@ class Communicator(AgreementProtocol):
         # Which path a call takes depends only on the agreed entry, never on this rank's arguments,
         # so every rank takes the same one.
         result = self.run_collective(sig, error, run, dummy, fused)
+        if self.check is False and plan is not None:  # valid here: later calls like it take the fast path
+            self._know(("allreduce", name), sig)
         self._record("allreduce", name, plan.nbytes if plan is not None else 0, start)
         return result
 
@@ -1038,6 +1081,12 @@ def _cpu_tensor_view(x: Any, out: Any) -> np.ndarray | None:
 def _tensor_of(result: np.ndarray) -> Any:
     """Return the fast path's new result array as a CPU tensor sharing its memory."""
     return sys.modules["torch"].from_numpy(result)
+
+
+def _same_view(out: np.ndarray, x: np.ndarray) -> bool:
+    """Return whether ``out`` and ``x`` are writeable views of exactly the same elements (``t.numpy()`` twice)."""
+    return (out.shape == x.shape and out.dtype == x.dtype and out.strides == x.strides and out.flags.writeable
+            and x.flags.writeable and out.__array_interface__["data"][0] == x.__array_interface__["data"][0])
 
 
 def _plain_out(out: Any, x: np.ndarray) -> bool:

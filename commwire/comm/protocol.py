@@ -19,7 +19,9 @@ of the collective together, and the next collective pairs up:
   waits: ``Transport.beside``). A raised flag sends every rank to the full exchange: either
   every rank changed its arguments alike (a new shape for the same name; the
   collective is redone) or every rank raises the same error.
-* ``check=False``: no agreement; a bad argument raises on its rank only.
+* ``check=False``: no agreement; a bad argument raises on its rank only. An
+  all-reduce whose arguments match its name's last call on this rank moves
+  its data alone (no flag), without the general path's validation.
 
 The protocol runs over MPI (the control plane) whatever transport carries the
 data (commwire.comm.transport).
@@ -112,6 +114,9 @@ class AgreementProtocol:
         self._MPI = MPI
         self.check = check
         self._agreed: OrderedDict[tuple[Any, ...], Agreed] = OrderedDict()
+        # check=False: the signature of each (operation, name)'s last call on this rank alone (never
+        # agreed), so that the all-reduce's fast path can skip the general path's validation
+        self._known: OrderedDict[tuple[Any, ...], Agreed] = OrderedDict()
 
     def watched(self, opname: str, name: str | None = None) -> Any:  # pragma: no cover - the communicator's
         raise NotImplementedError
@@ -192,6 +197,16 @@ class AgreementProtocol:
         if len(self._agreed) >= VERIFIED_KEYS:
             self._agreed.popitem(last=False)
         self._agreed[key] = self._agreed_entry(sig)
+
+    def _know(self, key: tuple[Any, ...], sig: Signature) -> None:
+        """Remember ``sig``, valid on this rank, as ``key``'s last call on a communicator that does not agree."""
+        known = self._known.get(key)
+        if known is not None and known.sig == sig:
+            return
+        self._known.pop(key, None)
+        if len(self._known) >= VERIFIED_KEYS:
+            self._known.popitem(last=False)
+        self._known[key] = self._agreed_entry(sig)
 
     def _flag_start(self, deviates: bool) -> tuple[Any, np.ndarray, np.ndarray]:
         mine = np.array([int(deviates)], dtype=np.int32)

@@ -168,6 +168,81 @@ def test_tensors_the_fast_path_cannot_view_take_the_general_path_with_exact_resu
             assert torch.equal(got.detach().float(), torch.full((len(got),), P * (P + 1) / 2)), label
 
 
+def _count_general(monkeypatch) -> list:
+    general = []
+    slow = cw.Communicator._allreduce
+    monkeypatch.setattr(cw.Communicator, "_allreduce", lambda self, *a: general.append(a) or slow(self, *a))
+    return general
+
+
+@pytest.mark.parametrize("n", [3, 100_000])  # below and above the small all-reduce's size
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+def test_check_false_repeats_take_the_fast_path_with_exact_results(n, dtype, monkeypatch):
+    general = _count_general(monkeypatch)
+    loose = WORLD.duplicate(check=False)
+    name = fresh("loose")
+    base = np.arange(n) % 97
+    want = (base * P + P * (P - 1) // 2).astype(dtype)  # sum over ranks of base + r, exact in every dtype here
+    other = np.empty(n, dtype=dtype)
+    for call in range(6):
+        x = (base + R).astype(dtype)
+        kind = call % 3
+        got = loose.allreduce(x, out={0: None, 1: x, 2: other}[kind], name=name)
+        assert got is {0: got, 1: x, 2: other}[kind] and got.dtype == x.dtype, call
+        np.testing.assert_array_equal(got, want)
+        if kind != 1:
+            np.testing.assert_array_equal(x, (base + R).astype(dtype))  # the input is left alone
+    t = torch.from_numpy((base + R).astype(dtype))
+    assert torch.equal(loose.allreduce(t, name=name), torch.from_numpy(want))  # a CPU tensor: its numpy view
+    assert len(general) == 1  # only the first call took the general path
+    for length in (n + 128, n):  # a new shape for the name: checked again, then fast again
+        got = loose.allreduce(np.full(length, R + 1, dtype=dtype), name=name)
+        np.testing.assert_array_equal(got, np.full(length, P * (P + 1) // 2, dtype=dtype))
+    assert len(general) == 3
+    if dtype.startswith("float"):
+        for _ in range(2):
+            got = loose.allreduce((base + R).astype(dtype), "avg", name=name)
+            np.testing.assert_allclose(got, want / P, rtol=1e-6)
+        assert len(general) == 4
+    with pytest.raises(TypeError, match="truncate"):  # checked on this rank as ever (every rank passes it)
+        loose.allreduce((base + R).astype("int64"), "avg", name=name)
+    loose.free()
+
+
+def test_check_false_steps_after_the_first_call(monkeypatch):
+    general = _count_general(monkeypatch)
+    made = []
+    steps = cw.Communicator.allreduce_steps
+
+    def spy(comm, *args, **kwargs):
+        gen = steps(comm, *args, **kwargs)
+        made.append(gen is not None)
+        return gen
+
+    loose = WORLD.duplicate(check=False)
+    for call in range(3):  # the lane's communicator knows the call after the first
+        handle = loose.start(spy, cw.Communicator.allreduce, np.full(100_000, R + 1.0), name="stepped")
+        loose.progress()
+        np.testing.assert_array_equal(handle.wait(), np.full(100_000, P * (P + 1) / 2))
+    assert len(general) == 1
+    if loose.transport.steps and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        assert made == [False, True, True]  # the first call runs whole, the next two in steps
+    loose.free()
+
+
+@pytest.mark.parametrize("check", ["first", False])
+def test_another_view_of_the_same_memory_is_reduced_in_place(check, monkeypatch):
+    general = _count_general(monkeypatch)
+    comm = WORLD if check else WORLD.duplicate(check=False)
+    name = fresh("view")
+    for call in range(3):
+        t = torch.full((100_000,), R + 1.0)
+        x, out = t.numpy(), t.numpy()  # two array objects over the tensor's memory
+        got = comm.allreduce(x, out=out, name=name)
+        assert got is out and torch.equal(t, torch.full((100_000,), P * (P + 1) / 2)), call
+    assert len(general) == 1
+
+
 def test_errors_name_each_ranks_value():
     name = fresh("named")
     with pytest.raises(cw.CollectiveMismatchError) as info:

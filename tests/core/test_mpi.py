@@ -96,13 +96,18 @@ def test_check_env_flag_reports_mismatch(tmp_path):
     assert "shape differs" in proc.stderr and "rank 0: (3,)" in proc.stderr and "rank 1: (4,)" in proc.stderr
 
 
-def test_bench_allreduce_runs_and_reports_ratio():
-    proc = _commwire("bench", "allreduce", "-np", "2", "--sizes", "8,1M", "--repeats", "2", timeout=120)
+def test_bench_allreduce_runs_and_reports_ratio(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = _commwire("bench", "allreduce", "-np", "2", "--sizes", "8,1M", "--repeats", "2", "--check", "false",
+                     "--json", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
     assert len(lines) == 2, proc.stdout
     ratios = [float(line.split("|")[7]) for line in lines]
     assert all(r > 0 for r in ratios)
+    rows = json.loads(out.read_text())
+    assert [(r["bytes"], r["check"]) for r in rows] == [(8, False), (1 << 20, False)]
+    assert [round(r["ratio"], 2) for r in rows] == ratios
 
 
 def test_bench_allreduce_codecs_reports_speedup_and_phases():
