@@ -85,10 +85,18 @@ def test_the_torch_transport_moves_the_agreement_flag_on_while_it_waits_for_its_
     assert (transport.beside is None) == done  # not done: the collective's next wait (or the protocol) goes on
 
 
-def test_the_torch_transport_leaves_the_flag_alone_when_no_work_can_be_polled():
+def test_the_torch_transport_tests_the_flag_once_per_wait_and_progress_when_no_work_can_be_polled():
+    # gloo's point-to-point works (the compressed all-reduce's pipeline) cannot be polled: each wait
+    # and each progress() between codec kernels tests the flag once, without blocking.
     from commwire.comm.torch_transport import TorchTransport, _Request
 
     transport = TorchTransport.__new__(TorchTransport)
-    flag = transport.beside = _Flag(3)
+    flag = transport.beside = _Flag(2)
     transport._move_beside([_Request(_Work(10), pollable=False)])
-    assert flag.tests == 0 and transport.beside is flag
+    assert flag.tests == 1 and transport.beside is flag
+    transport.progress(None)
+    assert flag.tests == 2 and transport.beside is flag
+    transport.progress(None)
+    assert flag.tests == 3 and transport.beside is None  # done: not tested again
+    transport.progress(None)
+    assert flag.tests == 3
