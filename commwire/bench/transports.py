@@ -17,7 +17,11 @@ call by call so that noise hits every arm alike:
 Every sample is the slowest rank's time of one call (all ranks start together after a
 barrier); the table gives the median of ``--repeats`` samples and each arm's ratio to the
 baseline (FP32 arms) or to the mpi transport's compressed all-reduce (the torch transport's
-compressed arm). Run it where the link is the bottleneck: ``commwire lab up --hosts 4`` then
+compressed arm), and the CPU time one call took on all ranks together, with the part spent
+outside the calling threads (gloo's own threads; MPICH moves data in the caller's thread and
+polls while it waits, so its arms' CPU time includes waiting). Where ranks share cores (the
+lab: every namespace on this machine's cores), CPU time near cores × wall time means the arm
+is bound by the CPU, not by the link. Run it where the link is the bottleneck: ``commwire lab up --hosts 4`` then
 ``commwire run --lab -np 4 python -m commwire.bench.transports``.
 """
 
@@ -41,23 +45,38 @@ DRIVER = False
 DEFAULT_SIZES = "1M,4M,16M,64M"
 
 
-def _sample(comm: Any, fn: Callable[[], Any]) -> float:
-    """Return the slowest rank's seconds for one call of ``fn`` (ranks start together)."""
+def _sample(comm: Any, fn: Callable[[], Any], cpu: list[tuple[float, float]] | None = None) -> float:
+    """Return the slowest rank's seconds for one call of ``fn`` (ranks start together).
+
+    With ``cpu``, also append the CPU seconds the call took summed over the ranks: every thread of
+    each rank's process, and the part that ran outside the calling thread (gloo's threads, lanes).
+    """
     from mpi4py import MPI
 
     comm.mpi.Barrier()
-    start = time.perf_counter()
+    start, proc, thread = time.perf_counter(), time.process_time(), time.thread_time()
     fn()
-    return float(comm.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    wall = time.perf_counter() - start
+    if cpu is None:
+        return float(comm.mpi.allreduce(wall, op=MPI.MAX))
+    used, own = time.process_time() - proc, time.thread_time() - thread
+    every = comm.mpi.allgather((wall, used, used - own))
+    cpu.append((sum(e[1] for e in every), sum(e[2] for e in every)))
+    return float(max(e[0] for e in every))
 
 
 def _row(ranks: int, nbytes: int, kind: str, arm: str, samples: list[float], base: float, baseline: str,
-         moved: int) -> dict[str, Any]:
-    """One table row: the median of ``samples`` (seconds), its ratio to ``base``, GB/s of ``moved`` bytes."""
+         moved: int, cpu: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """One table row: the median of ``samples`` (seconds), its ratio to ``base``, GB/s of ``moved`` bytes,
+    and the median CPU time per call of every rank together (``cpu``: see ``_sample``)."""
     median = float(np.median(samples))
-    return {"ranks": ranks, "bytes": nbytes, "kind": kind, "arm": arm, "median_ms": median * 1e3,
-            "min_ms": min(samples) * 1e3, "max_ms": max(samples) * 1e3, "GBps": moved / median / 1e9,
-            "ratio": median / base, "baseline": baseline}
+    row = {"ranks": ranks, "bytes": nbytes, "kind": kind, "arm": arm, "median_ms": median * 1e3,
+           "min_ms": min(samples) * 1e3, "max_ms": max(samples) * 1e3, "GBps": moved / median / 1e9,
+           "ratio": median / base, "baseline": baseline}
+    if cpu:
+        row["cpu_ms"] = float(np.median([c[0] for c in cpu])) * 1e3
+        row["cpu_threads_ms"] = float(np.median([c[1] for c in cpu])) * 1e3
+    return row
 
 
 def exchange_rows(world: Any, nbytes: int, repeats: int) -> list[dict[str, Any]]:
@@ -156,16 +175,17 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
                 fn()
                 reset()
         samples: list[list[float]] = [[] for _ in arms]
+        cpu: list[list[tuple[float, float]]] = [[] for _ in arms]
         for _ in range(repeats):
             for i, (_, _, fn) in enumerate(arms):
-                samples[i].append(_sample(world, fn))
+                samples[i].append(_sample(world, fn, cpu[i]))
             reset()
         medians = [float(np.median(s)) for s in samples]
         fp32_arms = sum(kind == "fp32" for kind, _, _ in arms)  # the codec arms follow, the mpi transport's first
         for i, (kind, label, _) in enumerate(arms):
             base, baseline = ((medians[0], arms[0][1]) if kind == "fp32"
                               else (medians[fp32_arms], f"{codec} on commwire mpi"))
-            rows.append(_row(world.size, n * 4, kind, label, samples[i], base, baseline, n * 4))
+            rows.append(_row(world.size, n * 4, kind, label, samples[i], base, baseline, n * 4, cpu[i]))
             if kind != "fp32":  # the tuner's choice explains a slow arm (more segments: more messages)
                 rows[-1]["segment_bytes"] = tuned_segment_bytes(world if "mpi" in label else tcomm, codec, n)
     for nbytes in exchange or []:
@@ -182,13 +202,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table."""
     from .allreduce import _human
 
-    head = "| ranks | size | payload | arm | median ms | min–max ms | GB/s | ratio | vs | segment KiB |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| ranks | size | payload | arm | median ms | min–max ms | GB/s | ratio | vs | segment KiB "
+            "| CPU ms, all ranks (other threads) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         seg = f"{r['segment_bytes'] / 1024:.0f}" if r.get("segment_bytes") else "-"
+        cpu = f"{_ms(r['cpu_ms'])} ({_ms(r['cpu_threads_ms'])})" if "cpu_ms" in r else "-"
         lines.append(f"| {r['ranks']} | {_human(r['bytes'])} | {r['kind']} | {r['arm']} | {_ms(r['median_ms'])} | "
                      f"{_ms(r['min_ms'])}–{_ms(r['max_ms'])} | {r['GBps']:.3f} | {r['ratio']:.3f} | {r['baseline']} "
-                     f"| {seg} |")
+                     f"| {seg} | {cpu} |")
     return "\n".join(lines)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from mpi_helpers import run_mpi_pytest
 
@@ -43,11 +46,12 @@ def test_transports_table_shows_the_tuned_segment_of_compressed_rows():
     row = {"ranks": 4, "bytes": 1 << 20, "median_ms": 5.0, "min_ms": 4.0, "max_ms": 9.0, "GBps": 0.2, "ratio": 1.5}
     table = format_table([{**row, "kind": "fp32", "arm": "commwire torch (gloo)", "baseline": "gloo"},
                           {**row, "kind": "fp8-e4m3", "arm": "commwire torch (gloo)", "baseline": "fp8 on mpi",
-                           "segment_bytes": 512 << 10}])
+                           "segment_bytes": 512 << 10, "cpu_ms": 10.04, "cpu_threads_ms": 3.9}])
     lines = table.splitlines()
-    assert lines[0].endswith("| segment KiB |") and lines[2].endswith("| gloo | - |")
+    assert lines[0].endswith("| segment KiB | CPU ms, all ranks (other threads) |")
+    assert lines[2].endswith("| gloo | - | - |")
     assert lines[3] == ("| 4 | 1 MiB | fp8-e4m3 | commwire torch (gloo) | 5.00 | 4.00–9.00 | 0.200 | 1.500 | "
-                        "fp8 on mpi | 512 |")
+                        "fp8 on mpi | 512 | 10.0 (3.90) |")
 
 
 class _Work:
@@ -100,3 +104,42 @@ def test_the_torch_transport_tests_the_flag_once_per_wait_and_progress_when_no_w
     assert flag.tests == 3 and transport.beside is None  # done: not tested again
     transport.progress(None)
     assert flag.tests == 3
+
+
+class _OneRank:
+    """The part of a communicator ``_sample`` uses, for one rank."""
+
+    class mpi:  # noqa: N801 - stands in for an mpi4py communicator
+        @staticmethod
+        def Barrier():  # noqa: N802 - mpi4py's name
+            pass
+
+        @staticmethod
+        def allgather(value):
+            return [value]
+
+
+def _spin(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_transports_samples_count_cpu_time_in_the_calling_thread_and_in_others():
+    from commwire.bench.transports import _row, _sample
+
+    cpu = []
+    wall = _sample(_OneRank, lambda: _spin(0.05), cpu)
+
+    def in_a_helper_thread():
+        helper = threading.Thread(target=_spin, args=(0.05,))
+        helper.start()
+        helper.join()
+
+    _sample(_OneRank, in_a_helper_thread, cpu)
+    (own_total, own_other), (helper_total, helper_other) = cpu
+    assert wall >= 0.05 and own_total >= 0.05 and own_other < 0.01  # all of it in the calling thread
+    assert helper_total >= 0.05 and helper_other >= 0.05  # all of it in another thread
+    row = _row(1, 4, "fp32", "arm", [wall, wall], wall, "arm", 4, cpu)
+    assert row["cpu_ms"] == pytest.approx((own_total + helper_total) / 2 * 1e3)
+    assert row["cpu_threads_ms"] == pytest.approx((own_other + helper_other) / 2 * 1e3)
