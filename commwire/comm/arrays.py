@@ -297,9 +297,10 @@ class Adapter:
 
     def write(self, out: Any, host: np.ndarray) -> Any:
         """Copy ``host`` into the caller's ``out`` array unless they share memory."""
-        target = self.host(out)
+        # Into `out` itself: a strided array's host() is a contiguous copy, which nobody would read.
+        target = out if isinstance(out, np.ndarray) else self.host(out)
         if not np.shares_memory(target, host):
-            np.copyto(target.reshape(host.shape), host, casting="no")
+            np.copyto(target, host.reshape(target.shape), casting="no")
         return out
 
 

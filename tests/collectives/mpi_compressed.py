@@ -126,6 +126,21 @@ def test_torch_and_dtypes_round_trip(dtype):
     assert cw.allreduce(arr, "sum", codec="nvfp4", out=out, name="np-bf16") is out
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("n", [1000, 50_000])  # the single all-gather; the pipeline
+def test_a_strided_out_receives_the_result(kind, n):
+    x = gaussian(n, COMM.rank, seed=7)
+    whole = compressed_allreduce(COMM, x, "avg", codec="fp8-e4m3", name=f"strided{n}")
+    base = np.full(2 * n, -1.0, dtype=np.float32)
+    out = (base if kind == "numpy" else torch.from_numpy(base))[::2]
+    got = compressed_allreduce(COMM, x if kind == "numpy" else torch.from_numpy(x), "avg", codec="fp8-e4m3",
+                               out=out, name=f"strided{n}")
+    assert got is out
+    np.testing.assert_array_equal(base[::2], whole)  # the same codec and call: the same bits
+    assert (base[1::2] == -1).all()  # the elements between were left alone
+    assert rel_err(whole, reference(n, "avg", seed=7)) < BOUNDS["fp8-e4m3"]
+
+
 def test_async_matches_blocking():
     x = gaussian(20_000, COMM.rank, seed=5)
     h = cw.allreduce_async(x, "avg", codec=get("fp8-e4m3"), name="async")

@@ -195,15 +195,20 @@ def test_check_false_repeats_take_the_fast_path_with_exact_results(n, dtype, mon
     t = torch.from_numpy((base + R).astype(dtype))
     assert torch.equal(loose.allreduce(t, name=name), torch.from_numpy(want))  # a CPU tensor: its numpy view
     assert len(general) == 1  # only the first call took the general path
+    strided = np.zeros(2 * n, dtype=dtype)[::2]  # small: reduced in a copy on the fast path; large: general path
+    assert loose.allreduce((base + R).astype(dtype), out=strided, name=name) is strided
+    np.testing.assert_array_equal(strided, want)
+    calls = len(general)
+    assert calls == (1 if n < 1000 else 2)
     for length in (n + 128, n):  # a new shape for the name: checked again, then fast again
         got = loose.allreduce(np.full(length, R + 1, dtype=dtype), name=name)
         np.testing.assert_array_equal(got, np.full(length, P * (P + 1) // 2, dtype=dtype))
-    assert len(general) == 3
+    assert len(general) == calls + 2
     if dtype.startswith("float"):
         for _ in range(2):
             got = loose.allreduce((base + R).astype(dtype), "avg", name=name)
             np.testing.assert_allclose(got, want / P, rtol=1e-6)
-        assert len(general) == 4
+        assert len(general) == calls + 3
     with pytest.raises(TypeError, match="truncate"):  # checked on this rank as ever (every rank passes it)
         loose.allreduce((base + R).astype("int64"), "avg", name=name)
     loose.free()

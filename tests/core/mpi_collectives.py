@@ -122,6 +122,26 @@ def test_allreduce_non_contiguous_is_copied_not_misread():
         [data(r, (6, 4), "float64").T for r in range(WORLD.size)], axis=0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("check", ["first", False, True])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("n", [7, 50_000])  # the fused small all-reduce; the plain one
+def test_a_strided_out_receives_the_result(check, kind, n):
+    comm = WORLD.duplicate(check=check)
+    want = np.sum([data(r, (n,), "float64") for r in range(WORLD.size)], axis=0)
+    for call in range(2):  # the first call of the name, then a steady-state one
+        x = as_kind(data(WORLD.rank, (n,), "float64"), kind)
+        out = as_kind(np.full(2 * n, -1.0), kind)[::2]  # every other element of a larger array
+        assert comm.allreduce(x, out=out, name="strided") is out
+        np.testing.assert_allclose(to_numpy(out, "float64"), want, rtol=1e-12, err_msg=f"call {call}")
+        y = as_kind(np.full(2 * n, float(WORLD.rank)), kind)[::2]
+        assert comm.broadcast(y, root=WORLD.size - 1, out=y, name="strided.b") is y  # in place, strided
+        np.testing.assert_array_equal(to_numpy(y, "float64"), np.full(n, WORLD.size - 1.0))
+        into = as_kind(np.zeros(2 * n), kind)[::2]
+        assert comm.broadcast(as_kind(np.full(n, float(WORLD.rank)), kind), root=0, out=into, name="strided.c") is into
+        np.testing.assert_array_equal(to_numpy(into, "float64"), np.zeros(n))
+    comm.free()
+
+
 @pytest.mark.parametrize("comm_name", list(COMMS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_async_variants_match_blocking(comm_name, dtype):
