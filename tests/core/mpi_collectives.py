@@ -133,6 +133,9 @@ def test_a_strided_out_receives_the_result(check, kind, n):
         out = as_kind(np.full(2 * n, -1.0), kind)[::2]  # every other element of a larger array
         assert comm.allreduce(x, out=out, name="strided") is out
         np.testing.assert_allclose(to_numpy(out, "float64"), want, rtol=1e-12, err_msg=f"call {call}")
+        inplace = as_kind(np.repeat(data(WORLD.rank, (n,), "float64"), 2), kind)[::2]  # strided, reduced in place
+        assert comm.allreduce(inplace, out=inplace, name="strided.a") is inplace
+        np.testing.assert_allclose(to_numpy(inplace, "float64"), want, rtol=1e-12, err_msg=f"call {call}")
         y = as_kind(np.full(2 * n, float(WORLD.rank)), kind)[::2]
         assert comm.broadcast(y, root=WORLD.size - 1, out=y, name="strided.b") is y  # in place, strided
         np.testing.assert_array_equal(to_numpy(y, "float64"), np.full(n, WORLD.size - 1.0))
