@@ -423,10 +423,7 @@ class Communicator(AgreementProtocol):
         """
         start = _perf()
         mop, average = agreed.plain
-        if out is x:
-            result, send = x, None
-        else:
-            result, send = (np.empty_like(x) if out is None else out), x
+        result, send = _landing(x, out)
         with self.watched("allreduce", name):
             flag = self._flag_start(False)
             try:
@@ -441,13 +438,9 @@ class Communicator(AgreementProtocol):
         if agreed.fused is None:
             return drive(self._unchecked_steps(agreed, x, out, name), self.transport.wait_collective)
         start = _perf()  # small: reduced in place (in x, out or a copy), without the ring test or a hand-off
-        if out is x:
-            buf = x
-        elif out is not None and _plain_out(out, x):
-            buf = out
-            np.copyto(out, x)
-        else:
-            buf = np.array(x)
+        buf, send = _landing(x, out)
+        if send is not None:
+            np.copyto(buf, send)
         self._move("allreduce", name, self.transport.allreduce_small, buf, agreed.plain[0])
         return self._fast_finish(agreed, x, out, name, buf, False, agreed.plain[1], start)
 
@@ -456,12 +449,7 @@ class Communicator(AgreementProtocol):
         """``_allreduce_unchecked`` in steps (``allreduce_steps``); returns the result."""
         start = _perf()
         mop, average = agreed.plain
-        if out is x:
-            result, send = x, None
-        elif out is None or _plain_out(out, x):
-            result, send = (np.empty_like(x) if out is None else out), x
-        else:  # an out the data cannot land in directly (strided, or overlapping x): reduce a copy
-            result, send = np.array(x), None
+        result, send = _landing(x, out)
         with self.watched("allreduce", name):
             yield from self.transport.allreduce_steps(send, result, mop)
         return self._fast_finish(agreed, x, out, name, result, False, average, start)
@@ -1088,6 +1076,15 @@ def _same_view(out: np.ndarray, x: np.ndarray) -> bool:
     """Return whether ``out`` and ``x`` are writeable views of exactly the same elements (``t.numpy()`` twice)."""
     return (out.shape == x.shape and out.dtype == x.dtype and out.strides == x.strides and out.flags.writeable
             and x.flags.writeable and out.__array_interface__["data"][0] == x.__array_interface__["data"][0])
+
+
+def _landing(x: np.ndarray, out: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """Return (the buffer the fast path's all-reduce of ``x`` lands in, its send buffer or None for in place)."""
+    if out is x:
+        return x, None
+    if out is None or _plain_out(out, x):
+        return (np.empty_like(x) if out is None else out), x
+    return np.array(x), None  # an out the data cannot land in directly (strided, or overlapping x): a copy
 
 
 def _plain_out(out: Any, x: np.ndarray) -> bool:

@@ -193,20 +193,20 @@ class AgreementProtocol:
     def _remember(self, key: tuple[Any, ...], sig: Signature) -> None:
         # Every rank remembers (and forgets) the same keys in the same order, so they
         # always agree on which calls are first calls.
-        self._agreed.pop(key, None)
-        if len(self._agreed) >= VERIFIED_KEYS:
-            self._agreed.popitem(last=False)
-        self._agreed[key] = self._agreed_entry(sig)
+        self._store(self._agreed, key, sig)
 
     def _know(self, key: tuple[Any, ...], sig: Signature) -> None:
         """Remember ``sig``, valid on this rank, as ``key``'s last call on a communicator that does not agree."""
         known = self._known.get(key)
-        if known is not None and known.sig == sig:
-            return
-        self._known.pop(key, None)
-        if len(self._known) >= VERIFIED_KEYS:
-            self._known.popitem(last=False)
-        self._known[key] = self._agreed_entry(sig)
+        if known is None or known.sig != sig:
+            self._store(self._known, key, sig)
+
+    def _store(self, table: OrderedDict[tuple[Any, ...], Agreed], key: tuple[Any, ...], sig: Signature) -> None:
+        """Put ``sig``'s entry in ``table`` as its newest, forgetting the oldest past ``VERIFIED_KEYS``."""
+        table.pop(key, None)
+        if len(table) >= VERIFIED_KEYS:
+            table.popitem(last=False)
+        table[key] = self._agreed_entry(sig)
 
     def _flag_start(self, deviates: bool) -> tuple[Any, np.ndarray, np.ndarray]:
         mine = np.array([int(deviates)], dtype=np.int32)

@@ -388,8 +388,7 @@ class TorchTransport(Transport):
         beside = self.beside
         pollable = [r.work for r in requests if r.pollable]
         if not pollable:  # gloo's point-to-point works: one test each time the pipeline waits
-            if beside.Test():
-                self.beside = None
+            self.progress(None)
             return
         while not beside.Test():
             if all(w.is_completed() for w in pollable):
