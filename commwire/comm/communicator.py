@@ -148,7 +148,7 @@ class Communicator(AgreementProtocol):
         count = _from_group_count[label] = _from_group_count.get(label, 0) + 1
         uid = f"{base.uid}/pg{label}.{count}"
         prefix = getattr(base.transport, "prefix", "commwire")
-        return Communicator(mpi_sub, transport=TorchTransport(pg, prefix=prefix), counters=base.counters,
+        return Communicator(mpi_sub, transport=TorchTransport(pg, prefix=prefix, label=uid), counters=base.counters,
                             check=base.check if check is None else check, timeline=base.timeline,
                             cuda_aware=base.cuda_aware, watchdog=base.watchdog, uid=uid)
 

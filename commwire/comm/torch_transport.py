@@ -18,6 +18,15 @@ bit-identical to the MPI transport's:
 * gathers of unequal blocks and reduce-scatters of unequal blocks pad every
   block to the largest (torch's collectives take equal blocks).
 
+The codec pipeline's point-to-point messages over gloo travel on groups of their own
+(``private``): gloo moves all of a rank pair's messages over one TCP connection guarded
+by one lock, which its event-loop thread only try-locks, and spins on epoll until it
+gets it (pytorch/gloo#246). A rank posting a send or receive on a connection its peer's
+data is arriving on holds that lock; where cores are shared the spinning threads then
+keep the poster off the CPU until the scheduler's slice ends, 2-4 ms. Each direction
+(lower to higher rank, higher to lower) and tag parity (the pipeline's two phases) has
+its own group, so a rank posts a send on a connection that carries no incoming data.
+
 NCCL runs on its own stream: work queued on the caller's stream is complete
 before NCCL reads a buffer (the communicator synchronises device buffers before
 a move, as for MPI) and ``Work.wait()`` orders the caller's stream after NCCL's.
@@ -159,11 +168,13 @@ class TorchTransport(Transport):
         pg: the process group (``torch.distributed.group.WORLD`` or one from ``new_group``).
         owned: whether this transport made ``pg`` (then ``free`` destroys it).
         prefix: the start of the names of the groups derived from this one (the same on every member).
+        label: the name of this transport, the same on every member and unique in the process (the
+            groups it makes for itself are named after it); default: ``prefix``.
     """
 
     name = "torch"
 
-    def __init__(self, pg: Any, *, owned: bool = False, prefix: str = "commwire") -> None:
+    def __init__(self, pg: Any, *, owned: bool = False, prefix: str = "commwire", label: str | None = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -173,6 +184,7 @@ class TorchTransport(Transport):
         self.pg = pg
         self.owned = owned
         self.prefix = prefix
+        self.label = label or prefix
         self.ranks = process_group_ranks(pg)  # global ranks, in this group's order
         self.rank = dist.get_rank(pg)
         self.size = len(self.ranks)
@@ -183,6 +195,8 @@ class TorchTransport(Transport):
         # operations on one stream (unmatched orders deadlock): there it uses all-to-all and all-gather.
         self.point_to_point = set(self.backends.values()) == {"gloo"}
         self._poll = "nccl" in self.backends.values()
+        # (tag parity, lower to higher rank) -> the group those point-to-point messages take (``private``)
+        self._routes: dict[tuple[int, bool], Any] | None = None
 
     def __repr__(self) -> str:
         return f"<TorchTransport rank {self.rank} of {self.size} ({self.describe()})>"
@@ -347,10 +361,12 @@ class TorchTransport(Transport):
     # gloo's send and receive works complete inside wait() (is_completed stays False until then):
     # not pollable, so a lane's wait waits on them instead of polling forever.
     def isend(self, buf: Any, dest: int, tag: int) -> Any:
-        return _Request(self._dist.isend(self._t(buf), group=self.pg, group_dst=dest, tag=tag), pollable=False)
+        pg = self.pg if self._routes is None else self._routes[tag % 2, self.rank < dest]
+        return _Request(self._dist.isend(self._t(buf), group=pg, group_dst=dest, tag=tag), pollable=False)
 
     def irecv(self, buf: Any, source: int, tag: int) -> Any:
-        return _Request(self._dist.irecv(self._t(buf), group=self.pg, group_src=source, tag=tag), pollable=False)
+        pg = self.pg if self._routes is None else self._routes[tag % 2, source < self.rank]
+        return _Request(self._dist.irecv(self._t(buf), group=pg, group_src=source, tag=tag), pollable=False)
 
     def wait(self, requests: list[Any]) -> None:
         if self.beside is not None:
@@ -397,23 +413,42 @@ class TorchTransport(Transport):
         self.beside = None
 
     # ------------------------------------------------------------------ groups
+    def _backend(self) -> str:
+        """Return the backend string that makes a group like this one (e.g. ``"gloo"``)."""
+        if len(set(self.backends.values())) > 1:
+            return ",".join(f"{d}:{b}" for d, b in self.backends.items())
+        return next(iter(self.backends.values()))
+
     def derive(self, mpi_comm: Any, ranks: list[int], uid: str = "") -> TorchTransport:
         members = [self.ranks[r] for r in ranks]
-        backend = ",".join(f"{d}:{b}" for d, b in self.backends.items()) if len(set(self.backends.values())) > 1 \
-            else next(iter(self.backends.values()))
+        backend = self._backend()
         # Named by the new communicator's rank 0 and sent to its members over MPI: counters of derived
         # communicators differ between ranks (new_group is called by its members only) and a split's
         # parts share their uid, while a group's name keys its rendezvous in the store.
         name = mpi_comm.bcast(f"{self.prefix}:{uid}:{uuid.uuid4().hex}" if mpi_comm.Get_rank() == 0 else None, root=0)
-        return TorchTransport(new_group(members, backend, name), owned=True, prefix=self.prefix)
+        return TorchTransport(new_group(members, backend, name), owned=True, prefix=self.prefix, label=name)
 
     def private(self) -> TorchTransport:
-        # The pipeline's collectives run inside one call of the communicator, in the same order on
-        # every rank, so the group's own sequence keeps them apart from every other collective.
+        """Return this transport, its point-to-point routes made (collective over the group, once).
+
+        The pipeline's collectives run inside one call of the communicator, in the same order on
+        every rank, so the group's own sequence keeps them apart from every other collective. Over
+        gloo, its sends and receives take four groups over the same ranks (see the module
+        docstring): one per direction and tag parity.
+        """
+        if self.point_to_point and self.size > 1 and self._routes is None:
+            backend = self._backend()
+            self._routes = {(parity, up): new_group(self.ranks, backend, f"{self.label}:p2p{parity}{'du'[up]}")
+                            for parity in (0, 1) for up in (False, True)}
         return self
 
     def free(self) -> None:
-        if self.owned and self._dist.is_initialized():
+        if not self._dist.is_initialized():
+            return
+        for pg in (self._routes or {}).values():
+            self._dist.destroy_process_group(pg)
+        self._routes = None
+        if self.owned:
             self._dist.destroy_process_group(self.pg)
             self.owned = False
 

@@ -5,8 +5,8 @@ data over MPI in the same job (itself checked against numpy references by
 mpi_collectives.py). The torch transport's conversions (integer types gloo
 lacks, float min/max as ordered integers, padded uneven blocks) are exact, so
 every result must be bit-identical — NaN, overflow and extremes included — and
-so must the compressed all-reduce's, whose payloads move by all-to-all and
-all-gather instead of point-to-point messages.
+so must the compressed all-reduce's, whose payloads gloo moves as point-to-point
+messages on groups of the transport's own (one per direction and phase).
 """
 
 from __future__ import annotations
@@ -149,6 +149,38 @@ def test_compressed_allreduce_is_bit_identical_to_mpi(codec, n):
     # The tuned path (no fixed segment) as well.
     _same(compressed_allreduce(TORCH, x, codec=mine, name="tuned"),
           compressed_allreduce(WORLD, x, codec=theirs, name="tuned"))
+
+
+def test_the_pipeline_sends_each_direction_and_phase_on_a_group_of_its_own(monkeypatch):
+    # gloo's event loop spins while a poster holds a connection's lock (see torch_transport): the
+    # codec pipeline's messages never share a connection with the data coming the other way.
+    from torch.distributed import distributed_c10d as c10d
+
+    from commwire.codecs.collective import compressed_allreduce
+
+    comm = TORCH.duplicate()
+    moves = []
+
+    def spy(kind, real):
+        def call(tensor, *, group, tag, **peer):
+            moves.append((kind, group, next(iter(peer.values())), tag))
+            return real(tensor, group=group, tag=tag, **peer)
+        return call
+
+    monkeypatch.setattr(dist, "isend", spy("send", dist.isend))
+    monkeypatch.setattr(dist, "irecv", spy("recv", dist.irecv))
+    x = np.random.default_rng(R).normal(size=50_000).astype(np.float32)
+    got = compressed_allreduce(comm, x, codec="fp8-e4m3", name="routes", segment_bytes=64 << 10)
+    monkeypatch.undo()
+    _same(got, compressed_allreduce(WORLD, x, codec="fp8-e4m3", name="routes", segment_bytes=64 << 10))
+    routes = comm.transport._routes
+    assert len({id(g) for g in routes.values()}) == 4 and comm.transport.pg not in routes.values()
+    assert len(moves) >= 4 * (P - 1)  # every peer, both ways, both phases
+    for kind, group, peer, tag in moves:
+        assert group is routes[tag % 2, R < peer if kind == "send" else peer < R], (kind, peer, tag)
+    assert {(kind, tag % 2) for kind, _, _, tag in moves} == {("send", 0), ("send", 1), ("recv", 0), ("recv", 1)}
+    comm.free()  # its groups go with it
+    assert comm.transport._routes is None and not any(g in c10d._world.pg_map for g in routes.values())
 
 
 def test_derived_communicators_stay_on_the_torch_transport():
