@@ -250,6 +250,8 @@ def segments(n: int, size: int, segment_bytes: int, first_bytes: int | None = No
     step = elems(segment_bytes)
     first = min(step, elems(first_bytes)) if first_bytes else step
     cuts = [0, *range(first, n, step)] if first < n else [0]
+    if len(cuts) > 2 and n - cuts[-1] < step // 2:
+        cuts.pop()  # a short remainder joins the segment before it: it would cost as many messages as a whole one
     return [(a, min(b, n)) for a, b in zip(cuts, [*cuts[1:], n])] if n else [(0, 0)]
 
 
@@ -388,6 +390,8 @@ def _pipe(comm: Communicator) -> Any:
 
 
 def _tag(segment: int, phase: int) -> int:
+    """Return the tag of one segment's phase: the phases have tags of opposite parity (over gloo the
+    torch transport moves each parity on groups of its own: ``TorchTransport.private``)."""
     return (2 * segment + phase) % _TAGS
 
 
