@@ -15,7 +15,8 @@ call by call so that noise hits every arm alike:
   ``isend``/``irecv``), ratio to MPI.
 
 Every sample is the slowest rank's time of one call (all ranks start together after a
-barrier); the table gives the median of ``--repeats`` samples and each arm's ratio to the
+barrier), or with ``--calls N`` its time per call over N calls back to back, as a training
+step's buckets follow each other (the FP32 arms' in-place sums are reset after each sample); the table gives the median of ``--repeats`` samples and each arm's ratio to the
 baseline (FP32 arms) or to the mpi transport's compressed all-reduce (the torch transport's
 compressed arm), and the CPU time one call took on all ranks together, with the part spent
 outside the calling threads (gloo's own threads; MPICH moves data in the caller's thread and
@@ -45,21 +46,23 @@ DRIVER = False
 DEFAULT_SIZES = "1M,4M,16M,64M"
 
 
-def _sample(comm: Any, fn: Callable[[], Any], cpu: list[tuple[float, float]] | None = None) -> float:
-    """Return the slowest rank's seconds for one call of ``fn`` (ranks start together).
+def _sample(comm: Any, fn: Callable[[], Any], cpu: list[tuple[float, float]] | None = None,
+            calls: int = 1) -> float:
+    """Return the slowest rank's seconds per call of ``fn``, ``calls`` calls back to back (ranks start together).
 
-    With ``cpu``, also append the CPU seconds the call took summed over the ranks: every thread of
+    With ``cpu``, also append the CPU seconds per call summed over the ranks: every thread of
     each rank's process, and the part that ran outside the calling thread (gloo's threads, lanes).
     """
     from mpi4py import MPI
 
     comm.mpi.Barrier()
     start, proc, thread = time.perf_counter(), time.process_time(), time.thread_time()
-    fn()
-    wall = time.perf_counter() - start
+    for _ in range(calls):
+        fn()
+    wall = (time.perf_counter() - start) / calls
     if cpu is None:
         return float(comm.mpi.allreduce(wall, op=MPI.MAX))
-    used, own = time.process_time() - proc, time.thread_time() - thread
+    used, own = (time.process_time() - proc) / calls, (time.thread_time() - thread) / calls
     every = comm.mpi.allgather((wall, used, used - own))
     cpu.append((sum(e[1] for e in every), sum(e[2] for e in every)))
     return float(max(e[0] for e in every))
@@ -119,8 +122,8 @@ def exchange_rows(world: Any, nbytes: int, repeats: int) -> list[dict[str, Any]]
 
 
 def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None = "fp8-e4m3",
-                        threads: int = 1, exchange: list[int] | None = None) -> list[dict[str, Any]]:
-    """Time every arm at every size; return one row per (size, arm)."""
+                        threads: int = 1, exchange: list[int] | None = None, calls: int = 1) -> list[dict[str, Any]]:
+    """Time every arm at every size (``calls`` calls back to back per sample); return one row per (size, arm)."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -178,7 +181,7 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
         cpu: list[list[tuple[float, float]]] = [[] for _ in arms]
         for _ in range(repeats):
             for i, (_, _, fn) in enumerate(arms):
-                samples[i].append(_sample(world, fn, cpu[i]))
+                samples[i].append(_sample(world, fn, cpu[i], calls))
             reset()
         medians = [float(np.median(s)) for s in samples]
         fp32_arms = sum(kind == "fp32" for kind, _, _ in arms)  # the codec arms follow, the mpi transport's first
@@ -186,6 +189,7 @@ def run_transport_bench(sizes: list[int], *, repeats: int = 5, codec: str | None
             base, baseline = ((medians[0], arms[0][1]) if kind == "fp32"
                               else (medians[fp32_arms], f"{codec} on commwire mpi"))
             rows.append(_row(world.size, n * 4, kind, label, samples[i], base, baseline, n * 4, cpu[i]))
+            rows[-1]["calls"] = calls
             if kind != "fp32":  # the tuner's choice explains a slow arm (more segments: more messages)
                 rows[-1]["segment_bytes"] = tuned_segment_bytes(world if "mpi" in label else tcomm, codec, n)
     for nbytes in exchange or []:
@@ -222,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved samples per arm and size (median)")
     parser.add_argument("--codec", default="fp8-e4m3", help="codec of the compressed arms ('' for none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--calls", type=int, default=1, help="calls per sample, back to back (the sample is "
+                        "their mean); 1: one call that all ranks start together")
     parser.add_argument("--exchange", default="", help="also time an all-peers exchange of these bytes per peer "
                         "over MPI and torch.distributed (comma-separated, e.g. 4K,64K)")
     parser.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
@@ -233,6 +239,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_sizes_and_codecs(args.sizes, args.codec or "", example="1M,4M")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats}: give 1 or more (the table shows the median)")
+    if args.calls < 1:
+        raise ValueError(f"--calls {args.calls}: give 1 or more (calls per sample, back to back)")
     check_sizes_and_codecs(args.exchange, "", example="4K,64K", option="--exchange")
 
 
@@ -247,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     exchange = [parse_size(s) for s in args.exchange.split(",") if s.strip()]
     rows = run_transport_bench(sizes, repeats=args.repeats, codec=args.codec or None, threads=args.threads,
-                               exchange=exchange)
+                               exchange=exchange, calls=args.calls)
     import commwire as cw
 
     emit(format_table(rows), rows, args.json_path, rank=cw.rank())

@@ -143,3 +143,13 @@ def test_transports_samples_count_cpu_time_in_the_calling_thread_and_in_others()
     row = _row(1, 4, "fp32", "arm", [wall, wall], wall, "arm", 4, cpu)
     assert row["cpu_ms"] == pytest.approx((own_total + helper_total) / 2 * 1e3)
     assert row["cpu_threads_ms"] == pytest.approx((own_other + helper_other) / 2 * 1e3)
+
+
+def test_transports_samples_of_several_calls_give_the_time_and_cpu_per_call():
+    # --calls N: N calls back to back, as a training step's buckets; the sample is their mean.
+    from commwire.bench.transports import _sample
+
+    calls, cpu = [], []
+    wall = _sample(_OneRank, lambda: (calls.append(1), _spin(0.02)), cpu, calls=4)
+    assert len(calls) == 4
+    assert 0.02 <= wall < 0.075 and 0.02 <= cpu[0][0] < 0.075  # per call: all four took 0.08 s or more
