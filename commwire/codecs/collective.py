@@ -371,7 +371,6 @@ def _plan(comm: Communicator, codec: Codec, n: int, segment_bytes: int, space: _
                    lambda: _Plan(comm, codec, n, segment_bytes, space))
 
 
-_pipes: dict[tuple[int, int], Any] = {}
 _TAGS = 32000  # MPI guarantees tags up to 32767; segments this far apart are never in flight together
 
 
@@ -380,13 +379,10 @@ def _pipe(comm: Communicator) -> Any:
 
     Over MPI, a duplicate communicator whose own context keeps the pipeline's tags apart from
     the application's messages. The first compressed all-reduce on ``comm`` creates it (a
-    collective call, made by every rank at the same point, like the all-reduce itself).
+    collective call, made by every rank at the same point, like the all-reduce itself); the
+    transport keeps it, and frees it when ``comm`` is freed.
     """
-    key = _comm_key(comm)
-    found = _pipes.get(key)
-    if found is None:
-        found = _pipes[key] = comm.transport.private()
-    return found
+    return comm.transport.private()
 
 
 def _tag(segment: int, phase: int) -> int:

@@ -164,7 +164,11 @@ class Transport:
         """Raise a clear error if this transport cannot move ``x`` (a device array if ``device``)."""
 
     def private(self) -> Transport:
-        """Return a transport whose messages never match this one's (collective), for the codec pipeline."""
+        """Return a transport whose messages never match this one's, for the codec pipeline.
+
+        Collective on the first call, which makes it; later calls return the same one, and
+        ``free`` releases it with this transport.
+        """
         raise NotImplementedError
 
     def wait(self, requests: list[Any]) -> None:
@@ -205,6 +209,7 @@ class MPITransport(Transport):
         self.size = mpi_comm.Get_size()
         self.cuda_aware = cuda_aware
         self.owned = False  # a private duplicate (``private``): freed with the transport
+        self._private: MPITransport | None = None  # made by ``private``; freed with this transport
         self._in_place = MPI.IN_PLACE
         self._spans: bool | None = None  # whether the ranks span nodes (asked at the first large float sum)
 
@@ -323,12 +328,19 @@ class MPITransport(Transport):
         return MPITransport(mpi_comm, cuda_aware=self.cuda_aware)
 
     def private(self) -> MPITransport:
-        """Return a transport over a duplicate communicator (collective): its messages never match this one's."""
-        dup = MPITransport(self.mpi.Dup(), cuda_aware=self.cuda_aware)
-        dup.owned = True
-        return dup
+        """Return a transport over a duplicate communicator, whose messages never match this one's.
+
+        Made by the first call (collective), the same one afterwards; ``free`` frees it.
+        """
+        if self._private is None:
+            self._private = MPITransport(self.mpi.Dup(), cuda_aware=self.cuda_aware)
+            self._private.owned = True
+        return self._private
 
     def free(self) -> None:
+        if self._private is not None:
+            self._private.free()
+            self._private = None
         # The communicator owns (and frees) the MPI communicator it shares with its transport.
         if self.owned:
             self.mpi.Free()

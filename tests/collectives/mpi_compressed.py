@@ -203,3 +203,25 @@ def test_error_feedback_survives_the_tuner_changing_segments():
     one_step = np.linalg.norm(compressed_allreduce(COMM, x, codec="fp8-e4m3", name="plain") - want)
     # with error feedback the errors cancel over calls: the mean is far closer than one step
     assert np.linalg.norm(total / calls - want) < 0.25 * one_step
+
+
+def test_a_freed_communicator_releases_its_pipeline_transport():
+    # The pipeline's private transport (an MPI duplicate; over gloo, four groups) is made by the
+    # first pipelined call and kept by the communicator's transport, which frees it with the
+    # communicator: process sets added and removed over a long job leak nothing.
+    from mpi4py import MPI
+
+    from commwire.codecs.collective import _pipe
+
+    dup = COMM.duplicate()
+    x = gaussian(200_000, COMM.rank)
+    got = compressed_allreduce(dup, x, codec="fp8-e4m3", name="freed", segment_bytes=256 << 10, small_bytes=0)
+    assert np.array_equal(got, compressed_allreduce(COMM, x, codec="fp8-e4m3", name="freed",
+                                                    segment_bytes=256 << 10, small_bytes=0))
+    pipe = _pipe(dup)
+    assert pipe is _pipe(dup)  # made once
+    dup.free()
+    if pipe is dup.transport:  # torch: the transport itself, its groups gone
+        assert pipe._routes is None
+    else:
+        assert pipe.mpi == MPI.COMM_NULL and dup.transport._private is None
