@@ -16,7 +16,8 @@ call by call so that noise hits every arm alike:
 
 Every sample is the slowest rank's time of one call (all ranks start together after a
 barrier), or with ``--calls N`` its time per call over N calls back to back, as a training
-step's buckets follow each other (the FP32 arms' in-place sums are reset after each sample); the table gives the median of ``--repeats`` samples and each arm's ratio to the
+step's buckets follow each other (the FP32 arms' in-place sums are reset after each
+sample); the table gives the median of ``--repeats`` samples and each arm's ratio to the
 baseline (FP32 arms) or to the mpi transport's compressed all-reduce (the torch transport's
 compressed arm), and the CPU time one call took on all ranks together, with the part spent
 outside the calling threads (gloo's own threads; MPICH moves data in the caller's thread and
