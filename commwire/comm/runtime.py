@@ -158,7 +158,7 @@ def _make_transport(mpi_comm: Any, transport: str, cuda_aware: bool) -> Any:
     import torch.distributed as dist
 
     _generation += 1  # every init() is collective: the groups of each world get names of their own
-    return TorchTransport(dist.group.WORLD, prefix=f"commwire{_generation}", label=f"commwire{_generation}:world")
+    return TorchTransport(dist.group.WORLD, prefix=f"commwire{_generation}")
 
 
 def _validate_init(check: Any, timeline: Any, thread_level: Any, cuda_aware: Any, abort_on_error: Any,
