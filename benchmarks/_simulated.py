@@ -32,7 +32,7 @@ import numpy as np
 from commwire.codecs.base import Codec, Span
 from commwire.codecs.collective import ALIGN, FIRST_PEER_BYTES, SMALL_BYTES, segment_bytes_for, segments
 from commwire.codecs.gift import range_hits
-from commwire.comm.communicator import split_rows
+from commwire.comm.buffers import split_rows
 
 __all__ = ["SimulatedAllreduce"]
 

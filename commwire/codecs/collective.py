@@ -47,7 +47,8 @@ import numpy as np
 
 from ..comm import arrays
 from ..comm.arrays import adapter_for
-from ..comm.communicator import Communicator, Signature, check_out, describe, device_of, op_label, split_rows
+from ..comm.buffers import check_out, describe, device_of, op_label, split_rows
+from ..comm.communicator import Communicator, Signature
 from ..comm.handle import Handle
 from .base import Codec, Span
 

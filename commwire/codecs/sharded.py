@@ -35,7 +35,8 @@ import numpy as np
 
 from ..comm import arrays
 from ..comm.arrays import adapter_for
-from ..comm.communicator import Communicator, Signature, describe, op_label, split_rows
+from ..comm.buffers import describe, op_label, split_rows
+from ..comm.communicator import Communicator, Signature
 from ..comm.handle import Handle
 from .base import Codec, Span, Wrapper
 from .collective import _HOST, _HostSpace, _pipe, device_space, resolve_codec

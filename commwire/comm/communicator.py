@@ -6,6 +6,8 @@ finds is raised on every rank together) over MPI, its control plane; the data
 itself moves over a transport (commwire.comm.transport): the same MPI
 communicator by default, or a ``torch.distributed`` process group
 (``Communicator.from_process_group``, ``commwire.init(transport="torch")``).
+What each call sends and receives on this rank, and the checks of its
+arguments, are prepared in commwire.comm.buffers.
 
 Moves that need no arithmetic (broadcast, allgather, alltoall) travel as raw
 bytes, so every dtype works. Reductions of float16/bfloat16 run in float32 and
@@ -27,7 +29,6 @@ travel as order-preserving integers reduced by the transport's own MIN/MAX
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from collections.abc import Generator
@@ -35,18 +36,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import arrays
-from .arrays import HALF_DTYPES, DeviceOps, adapter_for, check_dtype, device_ops, dtype_name, stream_order
+from .arrays import DeviceOps, dtype_name, stream_order
 from .check import exchange
-from .handle import Handle, drive
+from .buffers import (Reduction, as_bytes, check_out, cpu_tensor_view, describe, device_of, dtype_of_name, empty,
+                      landing, nbytes_of, op_label, plain_out, ready_bytes, row_counts, same_view, send_buffer,
+                      splits_of, tensor_of, wire_of)
+from .handle import Done, Handle, Ordered, drive
 from .protocol import FUSED_BYTES, JOINABLE, Agreed, AgreementProtocol, Signature
-from .reduce import REDUCE_OPS, check_reduction, flag_values, normalize_op, work_dtype
+from .reduce import REDUCE_OPS, flag_values, normalize_op
 from .stats import Counters
 from .timeline import Timeline
 from .transport import MPITransport, Transport
 
-__all__ = ["Communicator", "REDUCE_OPS", "Signature", "split_rows", "live_communicators", "check_out", "describe",
-           "device_of", "op_label"]
+__all__ = ["Communicator", "REDUCE_OPS", "Signature", "live_communicators"]
 
 _perf = time.perf_counter
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()  # for switching the timeline of every communicator
@@ -207,14 +209,6 @@ class Communicator(AgreementProtocol):
         """Return a context manager that registers a blocking wait with the stall watchdog."""
         return _Watched(self, opname, name)
 
-    def _device_direct(self, x: Any) -> bool:
-        """Return whether device array ``x`` goes to the transport as it is (else staged through host memory)."""
-        return arrays.is_device_array(x) and self.transport.device_buffers(x)
-
-    def _check_transport(self, x: Any) -> None:
-        """Raise a clear error if the transport cannot move ``x`` (e.g. a CUDA tensor on a gloo-only group)."""
-        self.transport.check_buffer(x, arrays.is_device_array(x))
-
     def submit(self, method: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Handle:
         """Run ``method(lane_comm, *args, **kwargs)`` on this communicator's background lane; return its handle.
 
@@ -232,13 +226,13 @@ class Communicator(AgreementProtocol):
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             # No background lane without thread level "multiple": run now (a completed handle
             # keeps every rank's order of collectives intact).
-            return _Done(method(self, *args, **kwargs), label or kwargs.get("name"))
+            return Done(method(self, *args, **kwargs), label or kwargs.get("name"))
         from .lane import lane_for
 
         order = stream_order(*args, *kwargs.values())
         if order is None:
             return lane_for(self).submit(method, *args, label=label, **kwargs)
-        return _Ordered(lane_for(self).submit(_in_order, order, method, *args, label=label, **kwargs), order)
+        return Ordered(lane_for(self).submit(_in_order, order, method, *args, label=label, **kwargs), order)
 
     def start(self, steps: Callable[..., Any], whole: Callable[..., Any], *args: Any, label: str | None = None,
               **kwargs: Any) -> Handle:
@@ -251,7 +245,7 @@ class Communicator(AgreementProtocol):
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            return _Done(whole(self, *args, **kwargs), label or kwargs.get("name"))
+            return Done(whole(self, *args, **kwargs), label or kwargs.get("name"))
         if stream_order(*args, *kwargs.values()) is not None:
             return self.submit(whole, *args, label=label, **kwargs)
         from .lane import lane_for
@@ -305,19 +299,19 @@ class Communicator(AgreementProtocol):
         if agreed is not None:
             return self._allreduce_fast(agreed, x, out, name)
         if type(x) is np.ndarray:
-            if type(out) is np.ndarray and out is not x and _same_view(out, x):  # in place through another view
+            if type(out) is np.ndarray and out is not x and same_view(out, x):  # in place through another view
                 agreed = self._fast_entry(x, op, x, name)
                 if agreed is not None:
                     self._allreduce_fast(agreed, x, x, name)
                     return out
         else:
-            view = _cpu_tensor_view(x, out)
+            view = cpu_tensor_view(x, out)
             if view is not None:
                 view_out = view if out is x else None
                 agreed = self._fast_entry(view, op, view_out, name)
                 if agreed is not None:  # a CPU tensor takes the numpy fast path through its own memory
                     result = self._allreduce_fast(agreed, view, view_out, name)
-                    return x if view_out is not None else _tensor_of(result)
+                    return x if view_out is not None else tensor_of(result)
         return self._allreduce(x, op, out, name)
 
     def _fast_entry(self, x: Any, op: str, out: Any, name: str | None) -> Agreed | None:
@@ -328,7 +322,7 @@ class Communicator(AgreementProtocol):
             if (agreed is not None and agreed.op == op and x.dtype == agreed.dtype and x.shape == agreed.shape
                     and x.flags.c_contiguous and (out is None or out is x or (
                         agreed.fused is not None and type(out) is np.ndarray and out.shape == x.shape
-                        and out.dtype == x.dtype and out.flags.writeable) or _plain_out(out, x))):
+                        and out.dtype == x.dtype and out.flags.writeable) or plain_out(out, x))):
                 return agreed
         return None
 
@@ -423,7 +417,7 @@ class Communicator(AgreementProtocol):
         """
         start = _perf()
         mop, average = agreed.plain
-        result, send = _landing(x, out)
+        result, send = landing(x, out)
         with self.watched("allreduce", name):
             flag = self._flag_start(False)
             try:
@@ -438,7 +432,7 @@ class Communicator(AgreementProtocol):
         if agreed.fused is None:
             return drive(self._unchecked_steps(agreed, x, out, name), self.transport.wait_collective)
         start = _perf()  # small: reduced in place (in x, out or a copy), without the ring test or a hand-off
-        buf, send = _landing(x, out)
+        buf, send = landing(x, out)
         if send is not None:
             np.copyto(buf, send)
         self._move("allreduce", name, self.transport.allreduce_small, buf, agreed.plain[0])
@@ -449,7 +443,7 @@ class Communicator(AgreementProtocol):
         """``_allreduce_unchecked`` in steps (``allreduce_steps``); returns the result."""
         start = _perf()
         mop, average = agreed.plain
-        result, send = _landing(x, out)
+        result, send = landing(x, out)
         with self.watched("allreduce", name):
             yield from self.transport.allreduce_steps(send, result, mop)
         return self._fast_finish(agreed, x, out, name, result, False, average, start)
@@ -470,12 +464,12 @@ class Communicator(AgreementProtocol):
         return result
 
     def _plan(self, x: Any, op: str, out: Any,
-              name: str | None) -> tuple[_Reduction | None, BaseException | None, Signature]:
+              name: str | None) -> tuple[Reduction | None, BaseException | None, Signature]:
         """Return an all-reduce's plan (None if its arguments are bad), the error that found, and its signature."""
-        plan: _Reduction | None = None
+        plan: Reduction | None = None
         error = None
         try:
-            plan = _Reduction(self, x, op, out)
+            plan = Reduction(x, op, out, self.transport, self.size)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it (see run_collective)
             error = exc
         sig = plan.sig(name) if plan is not None else Signature("allreduce", name, *describe(x), op_label(op),
@@ -536,7 +530,7 @@ class Communicator(AgreementProtocol):
         start = _perf()
         error = send = adapter = dev = dtype = None
         try:
-            dev, send, dtype, adapter = self._send_buffer(x)
+            dev, send, dtype, adapter = send_buffer(self.transport, x)
             if send.ndim == 0:
                 send = send.reshape(1)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
@@ -550,9 +544,9 @@ class Communicator(AgreementProtocol):
             counts = np.empty(self.size, dtype=np.int64)
             self._move("allgather sizes", name, transport.allgather, np.array([rows], dtype=np.int64), counts)
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
-            recv = _empty(dev, (int(counts.sum()),) + row_shape, dtype, buf)
+            recv = empty(dev, (int(counts.sum()),) + row_shape, dtype, buf)
             nbytes = counts * row_bytes
-            self._move("allgather", name, transport.allgatherv, _ready_bytes(dev, buf), _bytes(dev, recv), nbytes)
+            self._move("allgather", name, transport.allgatherv, ready_bytes(dev, buf), as_bytes(dev, recv), nbytes)
             return recv
 
         def run() -> Any:
@@ -565,7 +559,7 @@ class Communicator(AgreementProtocol):
             return adapter.wrap(recv, x)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig.shape), _np_dtype(agreed_sig.dtype), None)
+            gather(0, np.empty(0, dtype=np.uint8), tuple(agreed_sig.shape), dtype_of_name(agreed_sig.dtype), None)
 
         result = self.run_collective(sig, error, run, dummy)
         self._record("allgather", name, int(send.nbytes) if send is not None else 0, start)
@@ -582,7 +576,7 @@ class Communicator(AgreementProtocol):
         error = send = adapter = dev = np_dtype = None
         try:
             self._check_root(root)
-            dev, send, np_dtype, adapter = self._send_buffer(x)
+            dev, send, np_dtype, adapter = send_buffer(self.transport, x)
             check_out(x, out, "broadcast")
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
@@ -607,7 +601,7 @@ class Communicator(AgreementProtocol):
             return adapter.wrap(buf, x)
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
-            self._bcast(np.zeros(_nbytes(agreed_sig.shape, agreed_sig.dtype), dtype=np.uint8), agreed_sig.root, name)
+            self._bcast(np.zeros(nbytes_of(agreed_sig.shape, agreed_sig.dtype), dtype=np.uint8), agreed_sig.root, name)
 
         result = self.run_collective(sig, error, run, dummy)
         self._record("broadcast", name, int(send.nbytes) if send is not None else 0, start)
@@ -629,29 +623,12 @@ class Communicator(AgreementProtocol):
             buf = dev.clone(send)
         else:
             buf = dev.empty(tuple(send.shape), dtype, send)
-        self._move("broadcast", name, self.transport.broadcast, _ready_bytes(dev, buf), root)
+        self._move("broadcast", name, self.transport.broadcast, ready_bytes(dev, buf), root)
         if out is None:
             return buf
         if buf is not send:
             dev.copy_into(out, buf)
         return out
-
-    def _send_buffer(self, x: Any) -> tuple[DeviceOps | None, Any, np.dtype, Any]:
-        """Return (device ops or None, the buffer MPI sends, its numpy dtype, host adapter) of a data move.
-
-        Device arrays go to MPI as themselves on a CUDA-aware communicator; everything else as a
-        host view (device arrays staged through host memory by their adapter).
-        """
-        self._check_transport(x)
-        if self._device_direct(x):
-            dev = device_ops(x)
-            dtype = dev.numpy_dtype(x)
-            check_dtype(dtype)
-            return dev, dev.contiguous(x), dtype, None
-        adapter = adapter_for(x)
-        send = adapter.host(x)
-        check_dtype(send.dtype)
-        return None, send, send.dtype, adapter
 
     # -------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, x: Any, op: str = "sum", *, name: str | None = None, counts: Any = None) -> Any:
@@ -666,11 +643,11 @@ class Communicator(AgreementProtocol):
         try:
             if normalize_op(op) == "adasum":
                 raise NotImplementedError("reduce_scatter does not support op='adasum'; use allreduce(op='adasum')")
-            plan = _Reduction(self, x, op, None)
+            plan = Reduction(x, op, None, self.transport, self.size)
             if plan.work.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension, got a scalar; "
                                  "reshape it to (1,) or use allreduce")
-            rows = _row_counts(counts, plan.work.shape[0], self.size)
+            rows = row_counts(counts, plan.work.shape[0], self.size)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error, plan = exc, None
         sig = plan.sig(name, "reduce_scatter") if plan is not None else Signature(
@@ -697,7 +674,7 @@ class Communicator(AgreementProtocol):
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
             _, wdt, mop, _ = self._reduction_of(agreed_sig)
             zeros = np.zeros(agreed_sig.shape, dtype=wdt)
-            scatter(zeros, mop, _row_counts(agreed_sig.counts, zeros.shape[0], self.size))
+            scatter(zeros, mop, row_counts(agreed_sig.counts, zeros.shape[0], self.size))
 
         result = self.run_collective(sig, error, run, dummy)
         self._record("reduce_scatter", name, plan.nbytes if plan is not None else 0, start)
@@ -726,8 +703,8 @@ class Communicator(AgreementProtocol):
         start = _perf()
         error = send = adapter = counts = dev = np_dtype = None
         try:
-            dev, send, np_dtype, adapter = self._send_buffer(x)
-            counts = _splits(send, splits, self.size)
+            dev, send, np_dtype, adapter = send_buffer(self.transport, x)
+            counts = splits_of(send, splits, self.size)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
         shape, dtype = (tuple(send.shape[1:]), dtype_name(np_dtype)) if send is not None and send.ndim else \
@@ -740,9 +717,9 @@ class Communicator(AgreementProtocol):
             received = np.empty(self.size, dtype=np.int64)
             self._move("alltoall sizes", name, transport.alltoall_counts, rows, received)
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
-            recv = _empty(dev, (int(received.sum()),) + row_shape, dtype, buf)
-            self._move("alltoall", name, transport.alltoallv, _ready_bytes(dev, buf), rows * row_bytes,
-                       _bytes(dev, recv), received * row_bytes)
+            recv = empty(dev, (int(received.sum()),) + row_shape, dtype, buf)
+            self._move("alltoall", name, transport.alltoallv, ready_bytes(dev, buf), rows * row_bytes,
+                       as_bytes(dev, recv), received * row_bytes)
             return recv, received
 
         def run() -> Any:
@@ -756,7 +733,7 @@ class Communicator(AgreementProtocol):
 
         def dummy(agreed_sig: tuple[Any, ...]) -> None:
             exchange_rows(np.zeros(self.size, dtype=np.int64), np.empty(0, dtype=np.uint8), tuple(agreed_sig.shape),
-                          _np_dtype(agreed_sig.dtype), None)
+                          dtype_of_name(agreed_sig.dtype), None)
 
         result = self.run_collective(sig, error, run, dummy)
         self._record("alltoall", name, int(send.nbytes) if send is not None else 0, start)
@@ -862,7 +839,7 @@ class Communicator(AgreementProtocol):
 
     def _reduction_of(self, sig: Signature) -> tuple[int, np.dtype, Any, str]:
         """Return (elements, dtype on the wire, transport op, op) of an agreed reduction signature."""
-        wdt, rop, _ = _wire(_np_dtype(sig.dtype), sig.op, sig.device == "cuda", self.transport)
+        wdt, rop, _ = wire_of(dtype_of_name(sig.dtype), sig.op, sig.device == "cuda", self.transport)
         return int(np.prod(sig.shape, dtype=np.int64)), wdt, rop, sig.op
 
     def _agreed_entry(self, sig: Signature) -> Agreed:
@@ -871,7 +848,7 @@ class Communicator(AgreementProtocol):
         if sig.operation != "allreduce" or sig.op not in JOINABLE:
             return entry
         n, wdt, rop, op = self._reduction_of(sig)
-        if sig.device != "cuda" and wdt == _np_dtype(sig.dtype):  # the numpy fast path reduces in the input's dtype
+        if sig.device != "cuda" and wdt == dtype_of_name(sig.dtype):  # the numpy fast path reduces in the input's dtype
             entry.shape, entry.dtype, entry.op, entry.plain = tuple(sig.shape), wdt, op, (rop, op == "avg")
         # A sum of 0/1 flags in one byte would wrap at 256 ranks.
         if n * wdt.itemsize > FUSED_BYTES or (wdt.itemsize == 1 and op in ("sum", "avg") and self.size > 100):
@@ -888,293 +865,6 @@ class Communicator(AgreementProtocol):
 def live_communicators(counters: Counters) -> list[Communicator]:
     """Return the communicators alive in this process that record into ``counters``."""
     return [c for c in list(_live) if c.counters is counters]
-
-
-class _Reduction:
-    """The prepared buffers of one reduction (all-reduce or reduce-scatter) on this rank.
-
-    Building it validates everything a rank can check alone: array kind,
-    dtype, operation, ``out``. Device arrays (but for Adasum, which runs on
-    host copies) get their work buffer on the device: a contiguous copy or x
-    itself, float32 for the half types, order-preserving integers for float
-    min/max (see ``_wire``); MPI then reads it there (``direct``) or a host
-    copy of it.
-    """
-
-    __slots__ = ("comm", "x", "out", "adapter", "op", "dtype", "work", "send", "mop", "average", "dev", "direct",
-                 "fresh", "ordered", "wire", "shape", "nbytes")
-
-    def __init__(self, comm: Communicator, x: Any, op: str, out: Any) -> None:
-        self.comm, self.x, self.out = comm, x, out
-        self.op = normalize_op(op)
-        on_device = arrays.is_device_array(x)
-        self.dev: DeviceOps | None = device_ops(x) if on_device and self.op != "adasum" else None
-        self.direct = self.dev is not None and comm._device_direct(x)
-        if self.op != "adasum":  # Adasum runs on host copies over MPI
-            comm._check_transport(x)
-        if self.dev is not None:
-            self.dtype = self.dev.numpy_dtype(x)
-        else:
-            self.adapter = adapter_for(x)
-            self.send = self.adapter.host(x)
-            self.dtype = self.send.dtype
-        check_dtype(self.dtype)
-        check_reduction(self.op, self.dtype)
-        check_out(x, out, "allreduce")
-        self.wire, self.mop, self.ordered = _wire(self.dtype, self.op, on_device, comm.transport)
-        self.average = self.op == "avg"
-        self.shape = tuple(x.shape)
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        half = self.dtype in HALF_DTYPES
-        if self.dev is not None:
-            dev = self.dev
-            work = dev.float32(x) if half else dev.contiguous(x)
-            if self.ordered:
-                work = dev.ordered(work, self.op)
-            self.work = work
-            self.fresh = half or self.ordered or not dev.is_contiguous(x)  # work is a copy of ours
-        else:
-            self.work = self.send.astype(work_dtype(self.dtype)) if half else self.send
-            self.fresh = half
-
-    def sig(self, name: str | None, operation: str = "allreduce") -> Signature:
-        """Return the signature every rank must agree on."""
-        return Signature(operation, name, self.shape, dtype_name(self.dtype), self.op, device=device_of(self.x))
-
-    # MPI's buffers: the device work itself when direct, else host memory.
-    def mpi_send(self) -> Any:
-        """Return the buffer MPI reads this rank's contribution from (see ``release``)."""
-        if self.dev is None:
-            return self.work
-        if self.direct:
-            self.dev.synchronize(self.work)  # MPI knows no CUDA streams: queued work must be done
-            return self.work
-        return self.dev.to_host(self.work)
-
-    def mpi_empty(self, shape: tuple[int, ...]) -> Any:
-        """Return an uninitialised receive buffer of the wire dtype where MPI writes (device when direct)."""
-        if self.dev is not None and self.direct:
-            return self.dev.empty(shape, self.wire, self.work)
-        return np.empty(shape, dtype=self.wire)
-
-    def release(self, send: Any) -> None:
-        """Return a host staging buffer of ``mpi_send`` to its pool."""
-        if self.dev is not None and not self.direct:
-            self.dev.release(send)
-
-    def buffers(self) -> tuple[Any, Any]:
-        """Return (receive buffer, send buffer or MPI.IN_PLACE) for MPI_Allreduce."""
-        if self.dev is not None:
-            if not self.direct or self.fresh or self.out is self.x:
-                # A buffer of ours (host copy, or device copy) or x's own memory for out=x: in place.
-                return self.mpi_send(), None
-            return self.mpi_empty(tuple(self.work.shape)), self.mpi_send()
-        out, x, send = self.out, self.x, self.send
-        # Reduce straight into the caller's `out` when its memory can take the
-        # result (same dtype and size, contiguous host memory): no extra copy.
-        direct = None if out is None or self.work is not send else self.adapter.out_view(out)
-        if direct is not None and direct.dtype == self.dtype and direct.size == send.size:
-            recv = direct.reshape(send.shape)
-            if out is x or direct is send:
-                return recv, None
-            if not np.may_share_memory(recv, send):
-                return recv, send
-        return np.empty_like(self.work), self.work
-
-    def fused_buffer(self, n: int, flag: Any) -> Any:
-        """Return this rank's work and the deviation flag in one buffer of n + 1 wire elements for MPI."""
-        if self.dev is not None and self.direct:
-            buf = self.dev.empty((n + 1,), self.wire, self.work)
-            self.dev.flat_copy(buf[:n], self.work)
-            self.dev.set_item(buf, n, flag)
-            self.dev.synchronize(buf)
-            return buf
-        buf = np.empty(n + 1, dtype=self.wire)
-        host = self.work if self.dev is None else self.dev.to_host(self.work)
-        buf[:n] = host.reshape(-1)
-        if self.dev is not None:
-            self.dev.release(host)
-        buf[n] = flag
-        return buf
-
-    def flag(self, buf: Any, n: int) -> Any:
-        """Return the reduced flag of a ``fused_buffer``."""
-        return self.dev.item(buf, n) if self.dev is not None and self.direct else buf.item(n)
-
-    def finish(self, recv: Any) -> Any:
-        """Turn the reduced buffer into the result: average, cast back, copy into ``out``."""
-        size = self.comm.size
-        if self.dev is not None:
-            return self._finish_device(recv, size)
-        if self.average:
-            np.divide(recv, size, out=recv)
-        self.adapter.release(self.send)
-        out_view = None if self.out is None else self.adapter.out_view(self.out)
-        if out_view is not None and np.may_share_memory(out_view, recv) and recv.dtype == self.dtype:
-            return self.out
-        result = recv.astype(self.dtype) if recv.dtype != self.dtype else recv
-        if self.out is not None:
-            return self.adapter.write(self.out, result)
-        return self.adapter.wrap(result, self.x)
-
-    def _finish_device(self, recv: Any, size: int) -> Any:
-        dev = self.dev
-        assert dev is not None
-        in_x = self.direct and recv is self.work and not self.fresh  # reduced in place in x's memory
-        result = recv if self.direct else dev.from_host(recv, self.work)
-        if self.ordered:
-            result = dev.unordered(result, work_dtype(self.dtype))
-        if self.average:
-            result = dev.divide_(result, size)
-        if self.dtype in HALF_DTYPES:
-            result = dev.cast(result, self.dtype)
-        if self.out is None:
-            return result
-        if not (in_x and self.out is self.x):
-            dev.copy_into(self.out, result)
-        return self.out
-
-
-_ORDERED = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
-
-
-def _wire(dtype: np.dtype, op: str, device: bool, transport: Transport) -> tuple[np.dtype, Any, bool]:
-    """Return (dtype on the wire, transport op, whether as ordered integers) of reducing ``dtype`` with ``op``.
-
-    Device arrays reduce float min/max as order-preserving integers with the
-    transport's own MIN/MAX (``DeviceOps.ordered``), on every path: which
-    messages travel depends on the agreed signature (its device field) only.
-    """
-    wdt = work_dtype(dtype)
-    if op == "adasum":
-        return wdt, None, False
-    if device and op in ("min", "max") and wdt in _ORDERED:
-        return _ORDERED[wdt], transport.reduce_op(op, _ORDERED[wdt]), True
-    return wdt, transport.reduce_op(op, dtype), False
-
-
-def _cpu_tensor_view(x: Any, out: Any) -> np.ndarray | None:
-    """Return the numpy view of CPU torch tensor ``x`` where ``allreduce(x, out=out)`` may take the numpy
-    fast path (``out`` None or ``x`` itself), else None. Never imports torch: without it no tensor exists."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(x) is not torch.Tensor or (out is not None and out is not x):
-        return None
-    if x.device.type != "cpu" or x.requires_grad:
-        return None
-    try:
-        return x.numpy()
-    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), a conjugate or negative view
-        return None
-
-
-def _tensor_of(result: np.ndarray) -> Any:
-    """Return the fast path's new result array as a CPU tensor sharing its memory."""
-    return sys.modules["torch"].from_numpy(result)
-
-
-def _same_view(out: np.ndarray, x: np.ndarray) -> bool:
-    """Return whether ``out`` and ``x`` are writeable views of exactly the same elements (``t.numpy()`` twice)."""
-    return (out.shape == x.shape and out.dtype == x.dtype and out.strides == x.strides and out.flags.writeable
-            and x.flags.writeable and out.__array_interface__["data"][0] == x.__array_interface__["data"][0])
-
-
-def _landing(x: np.ndarray, out: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """Return (the buffer the fast path's all-reduce of ``x`` lands in, its send buffer or None for in place)."""
-    if out is x:
-        return x, None
-    if out is None or _plain_out(out, x):
-        return (np.empty_like(x) if out is None else out), x
-    return np.array(x), None  # an out the data cannot land in directly (strided, or overlapping x): a copy
-
-
-def _plain_out(out: Any, x: np.ndarray) -> bool:
-    """Return whether ``out`` is a numpy array the fast path may write x's result into directly."""
-    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape and out.flags.c_contiguous
-            and out.flags.writeable and not np.may_share_memory(out, x))
-
-
-def _np_dtype(name: str) -> np.dtype:
-    return arrays.bfloat16() if name == "bfloat16" else np.dtype(name)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * _np_dtype(dtype).itemsize
-
-
-def describe(x: Any) -> tuple[Any, Any]:
-    """Return (shape, dtype name) of whatever ``x`` is, for error messages."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    return (tuple(shape) if shape is not None else type(x).__name__, dtype_name(dtype) if dtype is not None else None)
-
-
-def device_of(x: Any) -> str:
-    """Return ``"cuda"`` for a device array (or a stand-in for one), else ``"cpu"``: part of a call's signature."""
-    return "cuda" if arrays.is_device_array(x) else "cpu"
-
-
-def op_label(op: Any) -> Any:
-    """Return the canonical name of a reduction ``op`` (``"sum"``, ``"avg"``, ...), or ``op`` itself if unknown."""
-    try:
-        return normalize_op(op)
-    except ValueError:
-        return op
-
-
-def check_out(x: Any, out: Any, opname: str) -> None:
-    """Raise ValueError unless ``out`` can hold the result of ``opname`` on ``x``."""
-    if out is None or out is x:
-        return
-    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(f"out= must be an array like x (numpy, torch or cupy), got {type(out).__name__}")
-    if tuple(shape) != tuple(x.shape) or dtype_name(dtype) != dtype_name(x.dtype):
-        raise ValueError(f"out= has shape {tuple(shape)} and dtype {dtype_name(dtype)}, but {opname} of x needs "
-                         f"shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}; pass such an array or out=None")
-
-
-def _row_counts(counts: Any, rows: int, size: int) -> np.ndarray:
-    """Return each rank's rows of a reduce-scatter (array_split's rule when ``counts`` is None)."""
-    if counts is None:
-        return split_rows(rows, size)
-    values = np.asarray(counts).reshape(-1)
-    if values.dtype.kind not in "iu" or values.size != size or (values < 0).any() or int(values.sum()) != rows:
-        raise ValueError(f"counts={values.tolist()} must give a non-negative number of rows for each of the "
-                         f"{size} ranks, summing to the first dimension ({rows})")
-    return values.astype(np.int64)
-
-
-def _splits(send: np.ndarray, splits: Any, size: int) -> np.ndarray:
-    """Return the rows to send to each rank, validated (equal blocks when ``splits`` is None)."""
-    if send.ndim == 0:
-        raise ValueError("alltoall needs an array with at least one dimension, got a scalar")
-    rows = send.shape[0]
-    if splits is None:
-        if rows % size:
-            raise ValueError(f"alltoall needs a first dimension divisible by the {size} ranks, got shape "
-                             f"{tuple(send.shape)}; pad the array or pass splits=")
-        return np.full(size, rows // size, dtype=np.int64)
-    values = np.asarray(adapter_for(splits).host(splits) if not isinstance(splits, (list, tuple)) else splits)
-    if values.dtype.kind not in "iu":
-        raise ValueError(f"splits must hold integers (e.g. int32), got dtype {dtype_name(values.dtype)}")
-    values = values.reshape(-1).astype(np.int64)
-    if values.size != size or (values < 0).any():
-        raise ValueError(f"splits must give a non-negative row count for each of the {size} ranks, "
-                         f"got {values.tolist()}")
-    if values.sum() > rows:
-        raise ValueError(f"splits sum to {int(values.sum())} rows but the tensor has only {rows}; "
-                         "make the splits add up to at most its first dimension")
-    return values
-
-
-class _Done(Handle):
-    """A handle whose operation has already completed."""
-
-    __slots__ = ()
-
-    def __init__(self, result: Any, name: str | None) -> None:
-        super().__init__([], lambda: result, name)
-        self._complete()
 
 
 class _Watched:
@@ -1196,50 +886,8 @@ class _Watched:
             self.comm.watchdog.leave(self.token)
 
 
-def split_rows(n: int, parts: int) -> np.ndarray:
-    """Return how many of ``n`` rows each of ``parts`` ranks gets (array_split rule)."""
-    base, extra = divmod(n, parts)
-    return np.array([base + (i < extra) for i in range(parts)], dtype=np.int64)
-
-
-def _empty(dev: DeviceOps | None, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
-    """Return an uninitialised buffer on ``like``'s device (``dev``) or in host memory."""
-    return np.empty(shape, dtype=dtype) if dev is None else dev.empty(shape, dtype, like)
-
-
-def _bytes(dev: DeviceOps | None, buf: Any) -> Any:
-    """Return contiguous ``buf`` as a flat uint8 view (raw-byte moves)."""
-    return buf.reshape(-1).view(np.uint8) if dev is None else dev.bytes(buf)
-
-
-def _ready_bytes(dev: DeviceOps | None, buf: Any) -> Any:
-    """Return ``buf``'s bytes for MPI to read, after the work queued on it is done (device buffers)."""
-    if dev is not None:
-        dev.synchronize(buf)  # MPI knows no CUDA streams
-    return _bytes(dev, buf)
-
-
 def _in_order(comm: Communicator, order: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``method`` on a lane in order with the submitting thread's CUDA stream (``StreamOrder``)."""
     with order.worker():
         return method(comm, *args, **kwargs)
 
-
-class _Ordered(Handle):
-    """A lane handle whose result the caller's CUDA stream waits for (``StreamOrder.join``)."""
-
-    __slots__ = ("_inner",)
-
-    def __init__(self, inner: Handle, order: Any) -> None:
-        super().__init__([], lambda: order.join(inner.wait()), inner.name)
-        self._inner = inner
-
-    def test(self) -> bool:
-        if not self._done and self._inner.test():
-            self._complete()
-        return self._done
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._complete()
-        return self._result

@@ -7,7 +7,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Callable
 
-__all__ = ["Handle", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP"]
+__all__ = ["Handle", "Done", "Ordered", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP"]
 
 _local = threading.local()
 
@@ -150,3 +150,35 @@ class Handle:
 
 def _spent() -> Any:  # pragma: no cover - guards against double completion
     raise RuntimeError("handle already completed")
+
+
+class Done(Handle):
+    """A handle whose operation has already completed."""
+
+    __slots__ = ()
+
+    def __init__(self, result: Any, name: str | None) -> None:
+        super().__init__([], lambda: result, name)
+        self._complete()
+
+
+class Ordered(Handle):
+    """A lane handle whose result the caller's CUDA stream waits for (``StreamOrder.join``)."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Handle, order: Any) -> None:
+        super().__init__([], lambda: order.join(inner.wait()), inner.name)
+        self._inner = inner
+
+    def test(self) -> bool:
+        """Whether the lane's work is done (then the caller's stream is ordered after it)."""
+        if not self._done and self._inner.test():
+            self._complete()
+        return self._done
+
+    def wait(self) -> Any:
+        """Wait for the lane's work, order the caller's stream after it, and return the result."""
+        if not self._done:
+            self._complete()
+        return self._result

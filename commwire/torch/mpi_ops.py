@@ -675,7 +675,7 @@ def _grouped_reducescatter_on(comm: Communicator, tensors: Sequence[torch.Tensor
         reduced = _grouped_reducescatter_on(comm, [p[0] for p in pairs], op, prescale, postscale, codec, None,
                                             name=name)
         return [compressor.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
-    from ..comm.communicator import split_rows
+    from ..comm.buffers import split_rows
 
     results: list[Any] = [None] * len(tensors)
     groups = _dtype_groups(tensors)
