@@ -2,7 +2,9 @@
 
 Before MPI starts, and where it cannot be asked (a crash report, per-rank status
 files, the codec thread count chosen before ``init()``), a rank learns where it
-stands from the variables its launcher set. Each launcher names them its own way;
+stands from the variables its launcher set; ``init()`` compares them with MPI's
+world, so that a process started by torchrun or by another MPI's mpiexec, which
+MPI starts alone, is told so instead of training alone (``lone_start``). Each launcher names them its own way;
 :data:`LAUNCHER_VARIABLES` lists them all, and every value is read from the first
 variable in its list that holds a number.
 """
@@ -13,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks", "host_id"]
+__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks", "LoneStart", "lone_start", "host_id"]
 
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     # MPICH/Intel MPI (Hydra, PMI), Open MPI, Slurm (srun), PMIx (Open MPI 5, srun --mpi=pmix)
@@ -60,6 +62,55 @@ def launcher_ranks(environ: Mapping[str, str] | None = None) -> LauncherRanks:
         local_rank=_first_number(LAUNCHER_VARIABLES["local_rank"], env, 0),
         local_size=_first_number(LAUNCHER_VARIABLES["local_size"], env, 1),
     )
+
+
+class LoneStart(NamedTuple):
+    """A process that MPI started alone although its launcher started it as one of several."""
+
+    launcher: str
+    """Who started the others: ``"torchrun"``, ``"torch.distributed"``, or ``"mpiexec"`` (another MPI's)."""
+    announced: str
+    """What says so, e.g. ``"WORLD_SIZE=4"``."""
+    size: int
+    """How many processes the launcher started."""
+
+
+# The MPI launchers' size variables that only a launched process sees (Slurm's SLURM_NTASKS is
+# also set in a batch script's own, single, process).
+_MPI_SIZES = tuple(name for name in LAUNCHER_VARIABLES["size"] if not name.startswith("SLURM_"))
+
+
+def lone_start(mpi_size: int, environ: Mapping[str, str] | None = None,
+               torch_world: int | None = None) -> LoneStart | None:
+    """Return who started this process as one of several while MPI gave it a world of ``mpi_size`` = 1.
+
+    Such a process would run every collective alone: torchrun (or any launcher that sets
+    torch's ``WORLD_SIZE``) does not start MPI, and the mpiexec of one MPI starts processes of
+    another MPI as separate 1-process jobs. None when ``mpi_size`` is not 1 or nothing says so.
+
+    Args:
+        mpi_size: the size of MPI's world.
+        environ: the environment to read (default ``os.environ``).
+        torch_world: the world size of an initialised torch.distributed, if any.
+
+    Example:
+        >>> lone_start(1, {"WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "none"})
+        LoneStart(launcher='torchrun', announced='WORLD_SIZE=4', size=4)
+    """
+    if mpi_size != 1:
+        return None
+    env = os.environ if environ is None else environ
+    for name in _MPI_SIZES:
+        size = _first_number((name,), env, 2)
+        if size is not None:
+            return LoneStart("mpiexec", f"{name}={size}", size)
+    size = _first_number(("WORLD_SIZE",), env, 2)
+    if size is not None:
+        return LoneStart("torchrun" if "TORCHELASTIC_RUN_ID" in env else "torch.distributed", f"WORLD_SIZE={size}",
+                         size)
+    if torch_world is not None and torch_world > 1:
+        return LoneStart("torch.distributed", f"torch.distributed.get_world_size() = {torch_world}", torch_world)
+    return None
 
 
 def host_id() -> str:

@@ -1,12 +1,16 @@
-"""The launcher's rank variables, read in one place (commwire.comm.rankenv) — tier 1 (single process)."""
+"""The launcher's rank variables, read in one place (commwire.comm.rankenv) — tier 1 (single processes)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
 from commwire.codecs import _threads
 from commwire.comm import ranklog
-from commwire.comm.rankenv import LAUNCHER_VARIABLES, LauncherRanks, launcher_ranks
+from commwire.comm.rankenv import LAUNCHER_VARIABLES, LauncherRanks, LoneStart, launcher_ranks, lone_start
 
 # What each launcher sets for rank 5 of 8, the second of 4 ranks on its node.
 LAUNCHERS = {
@@ -67,3 +71,43 @@ def test_codec_threads_share_the_cores_among_the_ranks_of_a_node(clean_env, laun
         assert _threads.default_threads() == 4
     finally:
         _threads.set_threads(None)
+
+
+# A process MPI started alone although its launcher started several (commwire.init refuses it).
+LONE = [
+    ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "none"}, None,
+     LoneStart("torchrun", "WORLD_SIZE=4", 4)),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, None, LoneStart("torch.distributed", "WORLD_SIZE=2", 2)),
+    ({}, 3, LoneStart("torch.distributed", "torch.distributed.get_world_size() = 3", 3)),
+    (LAUNCHERS["openmpi"], None, LoneStart("mpiexec", "OMPI_COMM_WORLD_SIZE=8", 8)),
+    (LAUNCHERS["mpich"], None, LoneStart("mpiexec", "PMI_SIZE=8", 8)),
+    # A batch script's own process sees its allocation's SLURM_NTASKS: not a sign of a lone start.
+    (LAUNCHERS["slurm"], None, None),
+    ({"WORLD_SIZE": "1", "RANK": "0"}, 1, None),
+    ({"WORLD_SIZE": "x"}, None, None),
+]
+
+
+@pytest.mark.parametrize("env,torch_world,expected", LONE)
+def test_a_lone_start_is_told_by_the_launchers_variables(env, torch_world, expected):
+    assert lone_start(1, env, torch_world) == expected
+    assert lone_start(8, env, torch_world) is None  # MPI started them together
+
+
+def _init_alone(env: dict[str, str], code: str = "commwire.init()") -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in {n for names in LAUNCHER_VARIABLES.values() for n in names} | {"WORLD_SIZE", "RANK"}}
+    return subprocess.run([sys.executable, "-c", f"import commwire\nfrom mpi4py import MPI\nprint({code})"],
+                          env={**clean, **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_init_refuses_a_process_another_mpis_launcher_started():
+    # What Open MPI's mpirun gives each process of an mpi4py built on MPICH: its own world of 1.
+    proc = _init_alone({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "1"})
+    assert proc.returncode != 0
+    assert "RuntimeError: the launcher started 3 processes (OMPI_COMM_WORLD_SIZE=3)" in proc.stderr, proc.stderr
+    assert "commwire run -np 3" in proc.stderr and "comm=MPI.COMM_SELF" in proc.stderr
+    alone = _init_alone({"OMPI_COMM_WORLD_SIZE": "3"}, "commwire.init(comm=MPI.COMM_SELF).size")
+    assert alone.returncode == 0 and alone.stdout.strip() == "1", alone.stderr
+    plain = _init_alone({}, "commwire.init().size")
+    assert plain.returncode == 0 and plain.stdout.strip() == "1", plain.stderr

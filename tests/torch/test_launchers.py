@@ -1,0 +1,73 @@
+"""Jobs started by torch's launchers, which do not start MPI — tier 2 (several processes, no mpiexec).
+
+torchrun (or ``torch.multiprocessing``) starts every process as a world of 1 for MPI: commwire must say
+so on each of them instead of letting each train alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.mpi
+
+_MPI_LAUNCHED = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _MPI_LAUNCHED} | {"PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_torchrun_job_is_refused_on_every_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import commwire.torch as hvd
+        hvd.init()
+        print("trained alone on rank", hvd.rank(), "of", hvd.size(), flush=True)
+    """))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port()), str(script)]
+    proc = subprocess.run(torchrun, env=_env(), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "trained alone" not in out
+    said = "torchrun started this process as one of 2 (WORLD_SIZE=2), but MPI made it a world of 1"
+    assert out.count(said) == 2, out[-3000:]  # each rank says it
+    assert out.count("commwire run -np 2 python") == 2
+
+
+def test_processes_joined_by_torch_distributed_alone_are_refused(tmp_path):
+    # torch.multiprocessing-style: the processes meet in torch.distributed (no launcher variables), MPI never.
+    script = tmp_path / "spawned.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+        import commwire
+        try:
+            commwire.init()
+        except RuntimeError as exc:
+            print("refused:", exc, flush=True)
+        dist.destroy_process_group()
+    """))
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), url, str(r)], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for rank, out in enumerate(outs):
+        assert procs[rank].returncode == 0, out[-3000:]
+        assert ("refused: torch.distributed started this process as one of 2 (torch.distributed.get_world_size() "
+                "= 2), but MPI made it a world of 1") in out, out[-3000:]
