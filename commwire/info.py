@@ -84,7 +84,7 @@ def collect() -> dict[str, Any]:
     from .comm import runtime
     from .launch import find_launcher
 
-    comm = runtime.init()
+    comm = _init_world()
     from mpi4py import MPI
 
     try:
@@ -114,6 +114,30 @@ def collect() -> dict[str, Any]:
         "world_size": comm.size,
         **_devices(),
     }
+
+
+def _init_world() -> Any:
+    """Initialise commwire as a job would; a process started alone (``lone_start_problem``) as one process,
+    so that the checks report its start instead of stopping at it."""
+    from .comm import runtime
+
+    try:
+        return runtime.init()
+    except RuntimeError:
+        if runtime.lone_start_problem() is None:
+            raise
+        from mpi4py import MPI
+
+        return runtime.init(comm=MPI.COMM_SELF)
+
+
+def _start_check() -> Check:
+    from .comm import runtime
+
+    problem = runtime.lone_start_problem()
+    if problem is not None:
+        return Check("start", "problem", problem[0], problem[1])
+    return Check("start", "ok", f"MPI's world has {runtime.size()} process(es), as the launcher announced")
 
 
 def _launcher_check() -> Check:
@@ -225,12 +249,10 @@ def _torch_check() -> Check:
 
 
 def diagnose() -> list[Check]:
-    """Return the environment checks (launcher, thread level, elastic, CUDA, lab, variables, torch)."""
-    from .comm import runtime
-
-    runtime.init()
+    """Return the environment checks (start, launcher, thread level, elastic, CUDA, lab, variables, torch)."""
+    _init_world()
     checks = []
-    for check in (_launcher_check, _thread_check, _elastic_check, _cuda_check, _lab_check, _env_check,
+    for check in (_start_check, _launcher_check, _thread_check, _elastic_check, _cuda_check, _lab_check, _env_check,
                   _torch_check):
         try:
             checks.append(check())

@@ -40,6 +40,7 @@ __all__ = [
     "report_and_abort",
     "abort_world",
     "default_comm",
+    "lone_start_problem",
 ]
 
 THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
@@ -109,8 +110,10 @@ def init(
         MPI = _import_mpi(level)
         _thread_level = THREAD_LEVELS[MPI.Query_thread()]
         mpi_comm = comm if comm is not None else MPI.COMM_WORLD
-        if comm is None:
-            _refuse_lone_start(MPI, mpi_comm)
+        lone = lone_start_problem() if comm is None else None
+        if lone is not None:
+            why, fix = lone
+            raise RuntimeError(f"{why}, so each process would run every collective alone. {fix[0].upper()}{fix[1:]}")
         if check is None:
             level = _config.env_choice("COMMWIRE_CHECK", ("0", "off", "false", "first", "1", "full", "true"), "first")
             check = {"0": False, "off": False, "false": False, "first": "first"}.get(level, True)
@@ -142,25 +145,27 @@ def init(
         return _world
 
 
-def _refuse_lone_start(MPI: Any, mpi_comm: Any) -> None:
-    """Raise when MPI started this process alone although its launcher started it as one of several."""
+def lone_start_problem() -> tuple[str, str] | None:
+    """Return (what is wrong, the fix) when MPI made this process a world of 1 although its launcher
+    started it as one of several (torchrun; another MPI's mpiexec), else None. Initialises MPI."""
+    from mpi4py import MPI
+
     dist = sys.modules.get("torch.distributed")  # never imported here: without it nothing started torch's world
     torch_world = dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else None
-    lone = lone_start(mpi_comm.Get_size(), torch_world=torch_world)
+    lone = lone_start(MPI.COMM_WORLD.Get_size(), torch_world=torch_world)
     if lone is None:
-        return
+        return None
     if lone.launcher == "mpiexec":
         library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         why = (f"the launcher started {lone.size} processes ({lone.announced}), but the MPI mpi4py loaded "
                f"({library}) made this one a world of 1: that mpiexec belongs to another MPI")
-        fix = (f"Launch with `commwire run -np {lone.size} ...`, which uses mpi4py's MPI, or with that MPI's own "
+        fix = (f"launch with `commwire run -np {lone.size} ...`, which uses mpi4py's MPI, or with that MPI's own "
                "mpiexec")
     else:
         why = (f"{lone.launcher} started this process as one of {lone.size} ({lone.announced}), but MPI made it a "
                "world of 1: torch's launchers do not start MPI, and commwire's collectives run over MPI's world")
-        fix = f"Launch with `commwire run -np {lone.size} python ...` (or mpiexec, or srun) instead"
-    raise RuntimeError(f"{why}, so each process would run every collective alone. {fix}; to run one process alone "
-                       "on purpose, call commwire.init(comm=MPI.COMM_SELF)")
+        fix = f"launch with `commwire run -np {lone.size} python ...` (or mpiexec, or srun) instead"
+    return why, fix + "; to run one process alone on purpose, call commwire.init(comm=MPI.COMM_SELF)"
 
 
 _settings: dict[str, Any] = {}

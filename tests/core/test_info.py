@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ def _by_name(checks):
 
 def test_every_check_runs_and_problems_carry_a_fix():
     checks = info.diagnose()
-    assert set(_by_name(checks)) == {"launcher", "thread level", "elastic", "CUDA", "lab", "environment", "torch"}
+    assert set(_by_name(checks)) == {"start", "launcher", "thread level", "elastic", "CUDA", "lab", "environment", "torch"}
     for c in checks:
         assert c.status in ("ok", "note", "problem"), c
         assert c.status == "ok" or c.fix, c
@@ -38,6 +39,24 @@ def test_a_launcher_of_another_mpi_is_a_problem(monkeypatch):
     monkeypatch.setattr(launch, "find_launcher", lambda *a, **k: Fake())
     check = _by_name(info.diagnose())["launcher"]
     assert check.status == "problem" and "every rank would start alone" in check.found and "mpiexec" in check.fix
+
+
+def test_a_process_torchrun_started_alone_is_a_problem(monkeypatch):
+    assert _by_name(info.diagnose())["start"].status == "ok"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    check = _by_name(info.diagnose())["start"]
+    assert check.status == "problem" and check.found.startswith("torchrun started this process as one of 4"), check
+    assert "commwire run -np 4 python" in check.fix
+
+
+def test_cli_reports_a_start_by_another_mpis_launcher_instead_of_failing():
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "commwire", "info"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={**env, "OMPI_COMM_WORLD_SIZE": "3"})
+    assert proc.returncode == 0, proc.stderr
+    assert "problem start: the launcher started 3 processes (OMPI_COMM_WORLD_SIZE=3)" in proc.stdout, proc.stdout
+    assert "world_size" in proc.stdout
 
 
 def test_no_root_or_no_tc_says_how_to_get_the_lab(monkeypatch):
