@@ -37,7 +37,7 @@ import threading
 import traceback
 from typing import Any, BinaryIO
 
-from .comm.rankenv import launcher_ranks
+from .comm.rankenv import launcher_ranks, torch_variables
 from .comm.ranklog import env_rank, record, start_guardian
 from .comm.runtime import install_abort_hook, report_and_abort
 
@@ -264,6 +264,7 @@ def _options(argv: list[str]) -> tuple[bool, str | None, bool, list[str]]:
 def main() -> None:
     """Run the program named on the command line under the abort hook, its output in whole lines."""
     tag, output_dir, is_exec, argv = _options(sys.argv[1:])
+    os.environ.update(torch_variables())  # a script written for torchrun finds its rank where it looks
     record("running")
     start_guardian()  # before MPI and threads: forking is safe now
     writers = _line_writers(tag, output_dir)

@@ -242,6 +242,8 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
     pairs = launch.parse_hosts(hosts) if hosts else launch.parse_hostfile(hostfile) if hostfile else None
     # --lab hosts are namespaces of this machine: same files, same programs.
     local = lab or (launcher_kind != "slurm" and not os.environ.get("SLURM_JOB_ID") and launch.hosts_are_local(pairs))
+    if local:
+        env = {**_rendezvous(lab, env), **env}
     if lab:
         from .. import lab as lab_mod
 
@@ -254,6 +256,26 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
         launch.check_command(command, env={**os.environ, **env})
     argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env, mpi_args=mpi_args)
     return argv, env, local
+
+
+def _rendezvous(lab: bool, env: dict[str, str]) -> dict[str, str]:
+    """Return torch's rendezvous variables for a job on this machine (or its lab) that the environment lacks.
+
+    With them, and the ranks' own RANK/WORLD_SIZE (``commwire._rankmain``), a script written for
+    torchrun calls ``init_process_group()`` with ``env://`` unchanged. Rank 0 listens on loopback (the
+    lab sets its first host's address) at a port free here now. Jobs across hosts are left to the user:
+    which address reaches rank 0 is theirs to say.
+    """
+    out = {}
+    if not lab and "MASTER_ADDR" not in os.environ and "MASTER_ADDR" not in env:
+        out["MASTER_ADDR"] = "127.0.0.1"
+    if "MASTER_PORT" not in os.environ and "MASTER_PORT" not in env:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            out["MASTER_PORT"] = str(s.getsockname()[1])
+    return out
 
 
 def _check_command_words(ctx: click.Context, command: tuple[str, ...]) -> None:

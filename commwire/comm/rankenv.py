@@ -15,7 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks", "LoneStart", "lone_start", "host_id"]
+__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks", "torch_variables", "LoneStart", "lone_start",
+           "host_id"]
 
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     # MPICH/Intel MPI (Hydra, PMI), Open MPI, Slurm (srun), PMIx (Open MPI 5, srun --mpi=pmix)
@@ -62,6 +63,26 @@ def launcher_ranks(environ: Mapping[str, str] | None = None) -> LauncherRanks:
         local_rank=_first_number(LAUNCHER_VARIABLES["local_rank"], env, 0),
         local_size=_first_number(LAUNCHER_VARIABLES["local_size"], env, 1),
     )
+
+
+def torch_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return torchrun's per-process variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) as the MPI
+    launcher announced them, leaving out any the environment already sets or the launcher did not announce.
+
+    ``commwire run`` exports them on each rank, so that a script written for torchrun
+    (``init_process_group`` with ``env://``, ``int(os.environ["LOCAL_RANK"])``) runs unchanged.
+
+    Example:
+        >>> torch_variables({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+        {'RANK': '1', 'WORLD_SIZE': '2', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '2'}
+    """
+    env = os.environ if environ is None else environ
+    ranks = launcher_ranks(env)
+    values = {"RANK": ranks.rank, "WORLD_SIZE": ranks.size, "LOCAL_RANK": ranks.local_rank,
+              "LOCAL_WORLD_SIZE": ranks.local_size}
+    if ranks.rank is None or ranks.size is None:
+        return {}
+    return {name: str(value) for name, value in values.items() if value is not None and name not in env}
 
 
 class LoneStart(NamedTuple):

@@ -10,7 +10,8 @@ import pytest
 
 from commwire.codecs import _threads
 from commwire.comm import ranklog
-from commwire.comm.rankenv import LAUNCHER_VARIABLES, LauncherRanks, LoneStart, launcher_ranks, lone_start
+from commwire.comm.rankenv import (LAUNCHER_VARIABLES, LauncherRanks, LoneStart, launcher_ranks, lone_start,
+                                   torch_variables)
 
 # What each launcher sets for rank 5 of 8, the second of 4 ranks on its node.
 LAUNCHERS = {
@@ -111,3 +112,13 @@ def test_init_refuses_a_process_another_mpis_launcher_started():
     assert alone.returncode == 0 and alone.stdout.strip() == "1", alone.stderr
     plain = _init_alone({}, "commwire.init().size")
     assert plain.returncode == 0 and plain.stdout.strip() == "1", plain.stderr
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_torchs_variables_come_from_each_launchers(launcher):
+    assert torch_variables(LAUNCHERS[launcher]) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                                    "LOCAL_WORLD_SIZE": "4"}
+    # What the environment sets already stays (the user's, or torchrun's); nothing without a rank and a size.
+    assert torch_variables({**LAUNCHERS[launcher], "LOCAL_RANK": "3"}) == {"RANK": "5", "WORLD_SIZE": "8",
+                                                                           "LOCAL_WORLD_SIZE": "4"}
+    assert torch_variables({"PMI_RANK": "1", "MPI_LOCALRANKID": "1"}) == {}

@@ -108,6 +108,23 @@ def test_verbose_prints_command_and_added_environment(capsys):
     assert "HOROVOD_CYCLE_TIME=5" in err and "COMMWIRE_RUN=1" in err and "start timeout: 60 s" in err
 
 
+def test_a_job_on_this_machine_gets_torchs_rendezvous_and_one_across_hosts_does_not(capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    status = main(["run", "--dry-run", "--verbose", "-np", "2", "python", "t.py"])
+    err = capsys.readouterr().err
+    if "no MPI launcher found" in err:
+        pytest.skip(err)
+    assert status == 0, err
+    port = int(err.split("MASTER_PORT=")[1].split()[0])
+    assert "MASTER_ADDR=127.0.0.1" in err and 0 < port < 65536
+    monkeypatch.setenv("MASTER_PORT", "29999")  # the user's own win
+    main(["run", "--dry-run", "--verbose", "-np", "2", "python", "t.py"])
+    assert "MASTER_PORT" not in capsys.readouterr().err.split("environment added:")[1]
+    main(["run", "--dry-run", "--verbose", "--launcher", "mpich", "-np", "4", "-H", "n1:2,n2:2", "python", "t.py"])
+    assert "MASTER_ADDR" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cmd,options,want", [
     (["python", "t.py"], ["--tag-output"], ["python", "-m", "commwire._rankmain", "--tag-output", "t.py"]),
     (["./a.out", "x"], ["--tag-output"], [sys.executable, "-m", "commwire._rankmain", "--tag-output", "--exec",

@@ -1,7 +1,9 @@
-"""Jobs started by torch's launchers, which do not start MPI — tier 2 (several processes, no mpiexec).
+"""Jobs started by torch's launchers, which do not start MPI, and torchrun's scripts under commwire run
+— tier 2 (several processes).
 
 torchrun (or ``torch.multiprocessing``) starts every process as a world of 1 for MPI: commwire must say
-so on each of them instead of letting each train alone.
+so on each of them instead of letting each train alone. The other way round, a script written for
+torchrun runs unchanged under ``commwire run``.
 """
 
 from __future__ import annotations
@@ -71,3 +73,35 @@ def test_processes_joined_by_torch_distributed_alone_are_refused(tmp_path):
         assert procs[rank].returncode == 0, out[-3000:]
         assert ("refused: torch.distributed started this process as one of 2 (torch.distributed.get_world_size() "
                 "= 2), but MPI made it a world of 1") in out, out[-3000:]
+
+
+def test_a_script_written_for_torchrun_runs_under_commwire_run(tmp_path):
+    # init_process_group() with env:// and LOCAL_RANK from the environment, as torchrun's scripts do;
+    # then commwire's DDP hook: each rank's gradient is the average of every rank's, computed apart.
+    script = tmp_path / "ddp.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import torch
+        import torch.distributed as dist
+        import commwire.torch as hvd
+
+        dist.init_process_group("gloo")
+        hvd.init()
+        assert (dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])) == \
+            (hvd.rank(), hvd.size(), hvd.local_rank())
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 2)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(*hvd.ddp_hook("none", model=ddp))
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(hvd.size())]
+        ddp(xs[hvd.rank()]).sum().backward()
+        w = model.weight.detach().clone().requires_grad_()
+        sum(torch.nn.functional.linear(x, w, model.bias.detach()).sum() for x in xs).backward()
+        torch.testing.assert_close(model.weight.grad, w.grad / hvd.size(), rtol=1e-6, atol=1e-7)
+        print("same gradient on rank", hvd.rank(), flush=True)
+    """))
+    run = [sys.executable, "-m", "commwire", "run", "-np", "2", sys.executable, str(script)]
+    proc = subprocess.run(run, env=_env(), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("same gradient on rank") == 2, out[-3000:]
