@@ -137,7 +137,7 @@ def _start_check() -> Check:
     problem = runtime.lone_start_problem()
     if problem is not None:
         return Check("start", "problem", problem[0], problem[1])
-    return Check("start", "ok", f"MPI's world has {runtime.size()} process(es), as the launcher announced")
+    return Check("start", "ok", f"MPI's world has {runtime.size()} process(es); no launcher announced more")
 
 
 def _launcher_check() -> Check:
