@@ -41,21 +41,16 @@ def make_model(layers: int, width: int) -> Any:
 
 
 def _init_gloo(comm: Any) -> None:
-    import socket
-
     import torch.distributed as dist
+
+    from ..comm.torch_transport import free_port
 
     if dist.is_initialized():
         return
     # MASTER_ADDR (torch's convention; `commwire run --lab` sets it) is where rank 0
     # listens; on one machine that is loopback.
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    port = comm.broadcast_object(port, 0)
+    port = comm.broadcast_object(free_port(host) if comm.rank == 0 else None, 0)
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size)
 
 

@@ -270,11 +270,9 @@ def _rendezvous(lab: bool, env: dict[str, str]) -> dict[str, str]:
     if not lab and "MASTER_ADDR" not in os.environ and "MASTER_ADDR" not in env:
         out["MASTER_ADDR"] = "127.0.0.1"
     if "MASTER_PORT" not in os.environ and "MASTER_PORT" not in env:
-        import socket
+        from ..comm.torch_transport import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out["MASTER_PORT"] = str(s.getsockname()[1])
+        out["MASTER_PORT"] = str(free_port())
     return out
 
 

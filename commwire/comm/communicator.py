@@ -41,7 +41,7 @@ from .check import exchange
 from .buffers import (Reduction, as_bytes, check_out, cpu_tensor_view, describe, device_of, dtype_of_name, empty,
                       landing, nbytes_of, op_label, plain_out, ready_bytes, row_counts, same_view, send_buffer,
                       splits_of, tensor_of, wire_of)
-from .handle import Done, Handle, Ordered, drive
+from .handle import Done, Handle, Pending, drive
 from .protocol import FUSED_BYTES, JOINABLE, Agreed, AgreementProtocol, Signature
 from .reduce import REDUCE_OPS, flag_values, normalize_op
 from .stats import Counters
@@ -232,7 +232,8 @@ class Communicator(AgreementProtocol):
         order = stream_order(*args, *kwargs.values())
         if order is None:
             return lane_for(self).submit(method, *args, label=label, **kwargs)
-        return Ordered(lane_for(self).submit(_in_order, order, method, *args, label=label, **kwargs), order)
+        inner = lane_for(self).submit(_in_order, order, method, *args, label=label, **kwargs)
+        return Pending(inner.test, lambda: order.join(inner.wait()), inner.name)  # the caller's stream waits
 
     def start(self, steps: Callable[..., Any], whole: Callable[..., Any], *args: Any, label: str | None = None,
               **kwargs: Any) -> Handle:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Callable
 
-__all__ = ["Handle", "Done", "Ordered", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP"]
+__all__ = ["Handle", "Done", "Pending", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP"]
 
 _local = threading.local()
 
@@ -162,23 +162,24 @@ class Done(Handle):
         self._complete()
 
 
-class Ordered(Handle):
-    """A lane handle whose result the caller's CUDA stream waits for (``StreamOrder.join``)."""
+class Pending(Handle):
+    """A handle over work another thread completes: ``ready()`` polls it, ``finish()`` waits for it and
+    returns the result (a lane's future; a lane handle the caller's CUDA stream then waits for)."""
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_ready",)
 
-    def __init__(self, inner: Handle, order: Any) -> None:
-        super().__init__([], lambda: order.join(inner.wait()), inner.name)
-        self._inner = inner
+    def __init__(self, ready: Callable[[], bool], finish: Callable[[], Any], name: str | None) -> None:
+        super().__init__([], finish, name)
+        self._ready = ready
 
     def test(self) -> bool:
-        """Whether the lane's work is done (then the caller's stream is ordered after it)."""
-        if not self._done and self._inner.test():
+        """Return True once the work is done (without waiting for it)."""
+        if not self._done and self._ready():
             self._complete()
         return self._done
 
     def wait(self) -> Any:
-        """Wait for the lane's work, order the caller's stream after it, and return the result."""
+        """Wait for the work (re-raising its exception) and return the result."""
         if not self._done:
             self._complete()
         return self._result

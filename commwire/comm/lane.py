@@ -20,7 +20,7 @@ from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
-from .handle import Handle, _mark_lane_thread
+from .handle import Handle, Pending, _mark_lane_thread
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -28,24 +28,13 @@ if TYPE_CHECKING:
 __all__ = ["Lane", "lane_for", "existing_lane", "close_lane"]
 
 
-class _FutureHandle(Handle):
-    """A handle over work submitted to a lane."""
+class _FutureHandle(Pending):
+    """A handle over work submitted to a lane (``Future.result`` re-raises the worker's exception)."""
 
-    __slots__ = ("_future",)
+    __slots__ = ()
 
     def __init__(self, future: Future, name: str | None) -> None:
-        super().__init__([], future.result, name)
-        self._future = future
-
-    def test(self) -> bool:
-        if not self._done and self._future.done():
-            self._complete()
-        return self._done
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._complete()  # future.result() blocks, and re-raises the worker's exception
-        return self._result
+        super().__init__(future.done, future.result, name)
 
 
 class _Stepped(Handle):

@@ -4,9 +4,9 @@ Before MPI starts, and where it cannot be asked (a crash report, per-rank status
 files, the codec thread count chosen before ``init()``), a rank learns where it
 stands from the variables its launcher set; ``init()`` compares them with MPI's
 world, so that a process started by torchrun or by another MPI's mpiexec, which
-MPI starts alone, is told so instead of training alone (``lone_start``). Each launcher names them its own way;
-:data:`LAUNCHER_VARIABLES` lists them all, and every value is read from the first
-variable in its list that holds a number.
+MPI starts alone, is told so instead of training alone (``lone_start``). Each
+launcher names them its own way; :data:`LAUNCHER_VARIABLES` lists them all, and
+every value is read from the first variable in its list that holds a number.
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ def torch_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """
     env = os.environ if environ is None else environ
     ranks = launcher_ranks(env)
-    values = {"RANK": ranks.rank, "WORLD_SIZE": ranks.size, "LOCAL_RANK": ranks.local_rank,
-              "LOCAL_WORLD_SIZE": ranks.local_size}
     if ranks.rank is None or ranks.size is None:
         return {}
+    values = {"RANK": ranks.rank, "WORLD_SIZE": ranks.size, "LOCAL_RANK": ranks.local_rank,
+              "LOCAL_WORLD_SIZE": ranks.local_size}
     return {name: str(value) for name, value in values.items() if value is not None and name not in env}
 
 

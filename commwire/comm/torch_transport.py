@@ -49,7 +49,7 @@ import numpy as np
 from .handle import in_lane
 from .transport import Transport, spans_nodes
 
-__all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "BACKENDS"]
+__all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "free_port", "BACKENDS"]
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 """The torch.distributed backends commwire sets up itself (``init_torch_distributed``)."""
@@ -101,7 +101,7 @@ def init_torch_distributed(comm: Any, backend: str, timeout: Any = None) -> None
     address: tuple[str, int] | None = None
     if comm.Get_rank() == 0:
         host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if single else socket.gethostbyname(socket.gethostname()))
-        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else _free_port(host)
+        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else free_port(host)
         address = (host, port)
     host, port = comm.bcast(address, root=0)
     kwargs = {} if timeout is None else {"timeout": timeout}
@@ -115,7 +115,8 @@ def _shared_type() -> Any:
     return MPI.COMM_TYPE_SHARED
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port free on ``host`` now (for a rendezvous that starts soon after)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
