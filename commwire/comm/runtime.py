@@ -238,7 +238,18 @@ def _import_mpi(level: str) -> Any:
 
     if not MPI.Is_initialized():
         MPI.Init_thread(THREAD_LEVELS.index(level))
+        # mpi4py finalises at exit only an MPI it initialised at import (mpi4py.rc.initialize); one
+        # initialised here must be finalised here, or the launcher takes the exit for a crash and
+        # kills the ranks still running. Registered before commwire's own exit hook, so it runs after.
+        atexit.register(_finalize_mpi)
     return MPI
+
+
+def _finalize_mpi() -> None:
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def finalize() -> None:

@@ -227,6 +227,28 @@ def test_ranks_outside_a_sub_communicator_may_end_first(tmp_path):
     assert proc.stdout.count("sum 2.0") == 4, proc.stdout
 
 
+def test_mpi_that_commwire_initialised_is_finalised_at_exit(tmp_path):
+    # With mpi4py.rc.initialize = False (as Horovod's tests set it) commwire calls MPI_Init itself,
+    # and mpi4py leaves such an MPI unfinalised: the launcher took rank 0's exit for a crash and
+    # killed rank 2 before it could print.
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import mpi4py, time\n"
+        "mpi4py.rc.initialize = False\n"
+        "import commwire as cw, numpy as np\n"
+        "cw.init()\n"
+        "total = cw.allreduce(np.ones(1))[0]\n"
+        "cw.finalize()\n"
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 2:\n"
+        "    time.sleep(3)\n"
+        "    print('late rank done', total, flush=True)\n"
+    )
+    proc = run_mpi(3, [str(script)], timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "late rank done 3.0" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_watchdog_warn_mode_lets_a_slow_rank_finish(tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(
