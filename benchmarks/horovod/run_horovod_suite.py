@@ -21,6 +21,13 @@ torchvision stand-in of benchmarks/horovod/torchvision_standin (no CPU
 torchvision wheel matches the torch here): plain, ``--fp16-allreduce`` and
 ``--use-adasum``.
 
+``--process-sets`` adds Horovod's two tests of ``hvd.init(process_sets=...)``,
+test/parallel/test_process_sets_static.py and test_process_sets_multi_comm.py
+(written against horovod.tensorflow, they use only the API horovod.torch
+shares), each as one job per N, changing ``import horovod.tensorflow as hvd``
+and the one internal call, ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``,
+to commwire's ``commwire.torch.process_sets.registered()``.
+
 ``--elastic`` adds test/single/test_torch_elastic.py (one process, as Horovod's CI
 runs test/single) and the elastic examples (pytorch_synthetic_benchmark_elastic.py,
 pytorch_mnist_elastic.py) under ``commwire run --min-np 1 --max-np N``, each once
@@ -48,6 +55,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "torchvision_standin"
 SUITE = "test/parallel/test_torch.py"
+PROCESS_SET_TESTS = ("test/parallel/test_process_sets_static.py", "test/parallel/test_process_sets_multi_comm.py")
 COMMON = "test/utils/common.py"
 EXAMPLES = ("examples/pytorch/pytorch_synthetic_benchmark.py", "examples/pytorch/pytorch_mnist.py")
 ELASTIC_TESTS = "test/single/test_torch_elastic.py"
@@ -85,6 +93,12 @@ def prepare(horovod: Path, work: Path) -> Path:
     ], SUITE)
     common = edit(read(horovod, COMMON), [(r"^from horovod\.runner\.util\.threads import in_thread$", "")], COMMON)
     (work / "parallel" / "test_torch.py").write_text(suite)
+    for rel in PROCESS_SET_TESTS:
+        text = edit(read(horovod, rel), [
+            (r"^import horovod\.tensorflow as hvd$", "import commwire.torch as hvd\nfrom commwire.torch import process_sets"),
+            (r"hvd\.mpi_ops\._basics\._get_process_set_ids_and_ranks\(\)", "process_sets.registered()"),
+        ], rel)
+        (work / "parallel" / Path(rel).name).write_text(text)
     (work / "utils" / "common.py").write_text(common)
     return work / "parallel"
 
@@ -97,11 +111,12 @@ def mpiexec() -> str:
     return found
 
 
-def run_suite(directory: Path, n: int, timeout: float, out: Path, deselect: list[str] = ()) -> dict:
-    """Run the suite as one n-rank job (without the tests named in ``deselect``); return per-rank counts."""
+def run_suite(directory: Path, n: int, timeout: float, out: Path, deselect: list[str] = (),
+              test: str = "test_torch.py") -> dict:
+    """Run ``test`` as one n-rank job (without the TorchTests named in ``deselect``); return per-rank counts."""
     out.mkdir(parents=True, exist_ok=True)
-    skip = "".join(f" --deselect test_torch.py::TorchTests::{name}" for name in deselect)
-    rank_cmd = (f"{sys.executable} -m pytest -q -p no:cacheprovider test_torch.py{skip} "
+    skip = "".join(f" --deselect {test}::TorchTests::{name}" for name in deselect)
+    rank_cmd = (f"{sys.executable} -m pytest -q -p no:cacheprovider {test}{skip} "
                 f"--junitxml={out}/rank$PMI_RANK.xml > {out}/rank$PMI_RANK.log 2>&1")
     start = time.monotonic()
     try:
@@ -114,7 +129,8 @@ def run_suite(directory: Path, n: int, timeout: float, out: Path, deselect: list
     for r in range(n):
         report = out / f"rank{r}.xml"
         ranks.append(junit_counts(report) if report.exists() else {"missing": str(report)})
-    return {"ranks": n, "exit": code, "seconds": round(elapsed, 1), "deselected": list(deselect), "per_rank": ranks}
+    return {"test": test, "ranks": n, "exit": code, "seconds": round(elapsed, 1), "deselected": list(deselect),
+            "per_rank": ranks}
 
 
 def junit_counts(path: Path) -> dict:
@@ -240,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", action="store_true", help="also run the PyTorch examples")
     parser.add_argument("--elastic", action="store_true",
                         help="also run the elastic unit tests and the elastic PyTorch examples (one rank killed)")
+    parser.add_argument("--process-sets", action="store_true",
+                        help="also run Horovod's test_process_sets_static.py and test_process_sets_multi_comm.py")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--suite", action=argparse.BooleanOptionalAction, default=True,
                         help="run test_torch.py (default; --no-suite for the examples only)")
@@ -251,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                              "a temporary directory")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.np.split(",") if v.strip()]
-    if args.suite:
+    if args.suite or args.process_sets:
         import importlib.util
 
         # Horovod's test/utils/common.py imports these; without them every rank's collection
@@ -268,11 +286,13 @@ def main(argv: list[str] | None = None) -> int:
             work = args.keep.resolve()
             work.mkdir(parents=True, exist_ok=True)
         directory = prepare(args.horovod, work / "suite")
-        for n in counts if args.suite else []:
-            row = run_suite(directory, n, args.timeout, work / f"out{n}", args.deselect)
+        jobs = [("test_torch.py", n, args.deselect) for n in (counts if args.suite else [])]
+        jobs += [(Path(rel).name, n, []) for n in counts if args.process_sets for rel in PROCESS_SET_TESTS]
+        for test, n, deselect in jobs:
+            row = run_suite(directory, n, args.timeout, work / f"out{n}-{Path(test).stem}", deselect, test)
             results["suites"].append(row)
-            left_out = f", without {', '.join(args.deselect)}" if args.deselect else ""
-            print(f"test_torch.py as one mpiexec -n {n} job{left_out}: exit {row['exit']}, {row['seconds']} s")
+            left_out = f", without {', '.join(deselect)}" if deselect else ""
+            print(f"{test} as one mpiexec -n {n} job{left_out}: exit {row['exit']}, {row['seconds']} s")
             for r, rank in enumerate(row["per_rank"]):
                 if "missing" in rank:
                     print(f"  rank {r}: no report ({rank['missing']})")

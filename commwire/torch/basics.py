@@ -1,10 +1,7 @@
-"""Horovod's lifecycle, introspection and process sets, over commwire's core.
+"""Horovod's lifecycle and introspection, over commwire's core.
 
-A process set is a commwire Communicator over an MPI sub-communicator, made
-with ``check=True``: every collective on it starts with the descriptor
-exchange of commwire.comm.check, as Horovod's negotiation does, so a bad
-argument raises on every member together and ``join()`` works. The global
-process set is such a communicator over the whole world (a duplicate, so its
+Process sets (commwire.torch.process_sets) are commwire Communicators; the
+global process set is one over the whole world (a duplicate, so its
 collectives never interleave with ``commwire``'s own).
 """
 
@@ -17,6 +14,8 @@ from typing import Any
 
 from ..comm import runtime
 from ..comm.communicator import Communicator
+from . import process_sets as _ps
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
@@ -38,64 +37,6 @@ class HorovodInternalError(RuntimeError):
     """A collective failed inside the communication layer (Horovod's name; commwire raises builtin types)."""
 
 
-class ProcessSet:
-    """A subset of the ranks that runs collectives together (``process_set=`` of every collective).
-
-    Args:
-        ranks_or_comm: the world ranks of the set, or an mpi4py communicator
-            (whose members form the set; it may differ between ranks, e.g. a Split).
-
-    Register it with ``hvd.init(process_sets=[...])`` or ``hvd.add_process_set``
-    (on every rank, in the same order).
-    """
-
-    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
-        self.mpi_comm: Any = None
-        if hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_size"):
-            self.mpi_comm = ranks_or_comm
-            self.ranks: list[int] = []  # known once registered (translated to world ranks)
-        else:
-            try:
-                ranks = sorted(int(r) for r in ranks_or_comm)
-            except TypeError:
-                raise TypeError(f"ProcessSet takes a list of ranks or an mpi4py communicator, got "
-                                f"{type(ranks_or_comm).__name__}") from None
-            if len(set(ranks)) != len(ranks) or not ranks:
-                raise ValueError(f"a ProcessSet needs distinct ranks, got {list(ranks_or_comm)}")
-            self.ranks = ranks
-        self.process_set_id: int | None = None
-        self.comm: Communicator | None = None
-
-    def size(self) -> int | None:
-        """Return the number of ranks in the set (None before it is registered)."""
-        return None if self.process_set_id is None else len(self.ranks)
-
-    def rank(self) -> int | None:
-        """Return this process's rank within the set (None before registration or if not a member)."""
-        if self.process_set_id is None or self.comm is None:
-            return None
-        return self.comm.rank
-
-    def included(self) -> bool | None:
-        """Return whether this process belongs to the set (None before it is registered)."""
-        if self.process_set_id is None:
-            return None
-        return runtime.rank() in self.ranks
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ProcessSet):
-            return NotImplemented
-        return self.process_set_id == other.process_set_id and self.ranks == other.ranks
-
-    def __hash__(self) -> int:
-        return hash((self.process_set_id, tuple(self.ranks)))
-
-    def __repr__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
-
-
-global_process_set = ProcessSet([0])  # filled in by init(): id 0, every rank
-_sets: dict[int, ProcessSet] = {}
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -114,15 +55,20 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     every test; collectives of other process sets are not covered.
 
     Args:
-        comm: None (MPI_COMM_WORLD), an mpi4py communicator, or a list of
-            world ranks to run on (only those ranks may call init).
-        process_sets: process sets to register now, or "dynamic" (every
-            set may be added later with ``add_process_set``; always allowed).
+        comm: None (MPI_COMM_WORLD), an mpi4py communicator (then also
+            ``global_process_set.mpi_comm``), or a list of world ranks to run on
+            (only those ranks may call init).
+        process_sets: process sets to register now (see
+            commwire.torch.process_sets for Horovod's rules: sets registered
+            already are bound, duplicates within the list raise a ValueError),
+            or "dynamic" (every set may be added later with
+            ``add_process_set``; always allowed).
         **kwargs: passed to ``commwire.init`` (check, timeline, timeout, ...).
     """
     from . import _env
 
-    if comm is not None and not hasattr(comm, "Get_rank"):
+    mpi_comm = comm if hasattr(comm, "Get_rank") else None
+    if comm is not None and mpi_comm is None:
         comm = _ranks_comm(list(comm))
     if not runtime.is_initialized():
         runtime.init(comm=comm, **{**_env.init_kwargs(), **kwargs})
@@ -132,22 +78,17 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         again = _state.get("world") is runtime.world()
     if again:
         _resync(global_process_set.comm)
-        with _lock:
-            _register_all(process_sets)
+        _ps.register(process_sets)
         return
     with _lock:
         world = runtime.world()
-        _sets.clear()
-        global_process_set.ranks = list(range(world.size))
-        global_process_set.process_set_id = 0
-        global_process_set.comm = world.duplicate(check=True)
-        _sets[0] = global_process_set
+        _ps.start(world, world.duplicate(check=True), mpi_comm)
         # Everything collective is made now, in the same order on every rank (made lazily, a rank
         # asking for local_rank() while another starts a collective would deadlock).
-        _state.update(world=world, next_id=1, cross=world.split(color=world.node().rank, key=world.rank))
-        _start_lane(global_process_set.comm)
+        _state.update(world=world, cross=world.split(color=world.node().rank, key=world.rank))
+        _ps.start_lane(global_process_set.comm)
         _env.apply_at_init()
-        _register_all(process_sets)
+    _ps.register(process_sets)
 
 
 def _resync(comm: Communicator) -> None:
@@ -175,125 +116,15 @@ def _ranks_comm(ranks: list[int]) -> Any:
         group.Free()
 
 
-def _register_all(process_sets: Sequence[ProcessSet] | str | None) -> None:
-    if process_sets is None or process_sets == "dynamic":
-        return
-    if isinstance(process_sets, str):
-        raise ValueError(f"process_sets={process_sets!r} is not valid; pass a list of ProcessSet or 'dynamic'")
-    for ps in process_sets:
-        if ps.process_set_id is None:
-            _register(ps)
-
-
 def _world() -> Communicator:
     if "world" not in _state or not runtime.is_initialized():
         raise ValueError("Horovod has not been initialized; call hvd.init() first")
     return _state["world"]
 
 
-def _register(ps: ProcessSet) -> ProcessSet:
-    """Create the communicator of ``ps`` (collective over every rank) and give it the next id."""
-    world = _world()
-    if ps.mpi_comm is not None:
-        from mpi4py import MPI
-
-        members = MPI.Group.Translate_ranks(ps.mpi_comm.Get_group(), list(range(ps.mpi_comm.Get_size())),
-                                            world.mpi.Get_group())
-        ps.ranks = sorted(int(r) for r in members)
-        mpi_sub = ps.mpi_comm.Dup()
-    else:
-        bad = [r for r in ps.ranks if not 0 <= r < world.size]
-        # Agreed on the global process set's lane, where every Horovod collective runs: a rank
-        # still inside another collective meets a mismatch error instead of a hang.
-        everyone = global_process_set.comm.call(Communicator.allgather_object, ps.ranks, name="add_process_set")
-        if bad or any(r != ps.ranks for r in everyone):
-            # every rank sees the same list of lists, so every rank raises alike
-            raise ValueError(f"add_process_set needs the same valid ranks on every rank (0..{world.size - 1}); "
-                             f"got {dict(enumerate(everyone))}")
-        if any(other.ranks == ps.ranks and other.mpi_comm is None for other in _sets.values()):
-            # the registry is the same on every rank, so every rank raises here alike
-            raise ValueError(f"Attempted to add a duplicate process set: ranks {ps.ranks} are registered already")
-        group = world.mpi.Get_group().Incl(ps.ranks)
-        try:
-            mpi_sub = world.mpi.Create(group)  # collective over the world; COMM_NULL on non-members
-        finally:
-            group.Free()
-    ps.comm = world.derive(mpi_sub, check=True) if mpi_sub is not None and mpi_sub != _null() else None
-    if ps.comm is not None:
-        _start_lane(ps.comm)
-    ps.process_set_id = _state["next_id"]
-    _state["next_id"] += 1
-    _sets[ps.process_set_id] = ps
-    return ps
-
-
-def _start_lane(comm: Communicator) -> None:
-    """Create ``comm``'s background lane now (collective over its members)."""
-    from mpi4py import MPI
-
-    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-        from ..comm.lane import lane_for
-
-        lane_for(comm)
-
-
-def _null() -> Any:
-    from mpi4py import MPI
-
-    return MPI.COMM_NULL
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set (on every rank, with the same ranks, in the same order) and return it."""
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.process_set_id is not None:
-        raise ValueError(f"{ps} is registered already")
-    with _lock:
-        return _register(ps)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Deregister ``process_set`` (on every rank); return whether it was registered."""
-    if process_set.process_set_id in (None, 0) or _sets.get(process_set.process_set_id) is not process_set:
-        return False
-    from ..comm.lane import close_lane
-
-    with _lock:
-        del _sets[process_set.process_set_id]
-        if process_set.comm is not None:
-            close_lane(process_set.comm)
-            process_set.comm.free()
-        process_set.process_set_id, process_set.comm = None, None
-    return True
-
-
-def comm_of(process_set: ProcessSet | None) -> Communicator:
-    """Return the communicator of ``process_set`` on this rank; a clear error if it cannot run here."""
-    ps = global_process_set if process_set is None else process_set
-    if not isinstance(ps, ProcessSet):
-        raise TypeError(f"process_set must be a ProcessSet (e.g. hvd.global_process_set), got {type(ps).__name__}")
-    _world()
-    if ps.process_set_id is None or _sets.get(ps.process_set_id) is not ps:
-        raise ValueError(f"{ps} is not registered; register it with hvd.add_process_set() on every rank first")
-    if ps.comm is None:
-        raise ValueError(f"rank {runtime.rank()} is not a member of {ps}; call collectives of a process set only "
-                         "on its members")
-    return ps.comm
-
-
 def shutdown() -> None:
     """Shut commwire down on this rank (``init()`` may be called again)."""
-    from ..comm.lane import close_lane
-
-    with _lock:
-        for ps in list(_sets.values()):
-            if ps.comm is not None:
-                close_lane(ps.comm)
-            if ps is not global_process_set:
-                ps.process_set_id, ps.comm = None, None
-        _sets.clear()
-        global_process_set.process_set_id, global_process_set.comm = None, None
-        _state.clear()
+    _forget()
     runtime.finalize()
 
 
@@ -305,16 +136,18 @@ def rebuild_after_reform() -> None:
     ``add_process_set`` must be added again) and ``init()`` builds the global set
     on the survivors.
     """
+    _forget()
+    init()
+
+
+def _forget() -> None:
+    """Forget every process set (stopping their lanes, no collective) and the world."""
     from ..comm.lane import close_lane
 
     with _lock:
-        for ps in list(_sets.values()):
-            if ps.comm is not None:
-                close_lane(ps.comm)
-            ps.process_set_id, ps.comm = None, None
-        _sets.clear()
+        for comm in _ps.clear():
+            close_lane(comm)
         _state.clear()
-    init()
 
 
 def is_initialized() -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..comm.communicator import Communicator
-from .basics import comm_of, global_process_set
+from .process_sets import comm_of, global_process_set
 from .mpi_ops import _call, _rooted
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

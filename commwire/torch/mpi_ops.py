@@ -34,7 +34,8 @@ from ..comm.arrays import Invalid
 from ..comm.communicator import Communicator
 from ..comm.handle import Handle
 from ..comm.reduce import normalize_op
-from .basics import Average, Sum, comm_of, global_process_set
+from .basics import Average, Sum
+from .process_sets import comm_of, global_process_set
 from .compression import Compression, resolve
 
 __all__ = [

@@ -504,13 +504,14 @@ def _resolve_comm(comm: Communicator | None, process_set: Any) -> tuple[Communic
     """Return (communicator to reduce over or None on a non-member, process set)."""
     if comm is not None:
         return comm, process_set
-    from .basics import comm_of, global_process_set, is_initialized
+    from .basics import is_initialized
+    from .process_sets import ProcessSet, comm_of, global_process_set
 
     if process_set is None or process_set is global_process_set:
         if not is_initialized():  # commwire.init() without hvd.init(): commwire's world
             return default_comm(), process_set
         return comm_of(global_process_set), global_process_set
-    if process_set.included() is False:
+    if isinstance(process_set, ProcessSet) and process_set.size() is not None and not process_set.included():
         return None, process_set
     return comm_of(process_set), process_set  # a process set not registered yet fails here, clearly
 

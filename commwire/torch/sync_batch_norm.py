@@ -108,6 +108,10 @@ def _comm_for(process_set: Any) -> Communicator:
     """Return the communicator of ``process_set``, or the world's when it is None."""
     if process_set is None:
         return runtime.default_comm()
+    from .process_sets import ProcessSet, comm_of
+
+    if isinstance(process_set, ProcessSet):
+        return comm_of(process_set)  # a clear error for a non-member or an unregistered set
     if not hasattr(process_set, "comm"):
         raise TypeError(f"process_set={process_set!r} has no .comm; pass a ProcessSet (or None for all ranks)")
     if process_set.comm is None:

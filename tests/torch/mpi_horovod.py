@@ -435,6 +435,78 @@ def test_process_sets():
     assert hvd.remove_process_set(even) and not hvd.remove_process_set(even)
 
 
+def test_init_registers_process_sets_as_horovod():
+    """hvd.init(process_sets=...) by Horovod's rules (its test_process_sets_static / _multi_comm)."""
+    from mpi4py import MPI
+
+    hvd.shutdown()
+    split = MPI.COMM_WORLD.Split(R % 2, R)
+    try:
+        check_init_registers_process_sets(hvd.ProcessSet(split))
+    finally:
+        hvd.shutdown()
+        split.Free()
+        hvd.init()
+
+
+def check_init_registers_process_sets(halves):
+    from mpi4py import MPI
+
+    evens, odds = list(range(0, P, 2)), list(range(1, P, 2))
+    if P == 1:  # the split is the whole world: a duplicate of the global set
+        with pytest.raises(ValueError, match=r"entry 0 \(a communicator over ranks \[0\]\) repeats the global"):
+            hvd.init(comm=MPI.COMM_WORLD, process_sets=[halves])
+        assert hvd.is_initialized() and halves.process_set_id is None
+        return
+    hvd.init(comm=MPI.COMM_WORLD, process_sets=[halves])
+    assert hvd.global_process_set.mpi_comm is MPI.COMM_WORLD and hvd.global_process_set.process_set_id == 0
+    # both halves are registered on every rank (evens first); this rank's object is its own half
+    assert halves.process_set_id == (1 if R % 2 == 0 else 2) and halves.ranks == (evens if R % 2 == 0 else odds)
+    assert halves.size() == len(halves.ranks) and halves.rank() == halves.ranks.index(R)
+    got = hvd.allreduce(torch.full((3,), R + 1.0), op=hvd.Sum, process_set=halves)
+    close(got, torch.full((3,), float(sum(r + 1 for r in halves.ranks))))
+
+    # init again: sets registered already are bound, not refused; the other half is no set of this rank
+    mine, other = hvd.ProcessSet(halves.ranks), hvd.ProcessSet(odds if R % 2 == 0 else evens)
+    hvd.init(process_sets=[other, mine])
+    assert (mine.process_set_id, other.process_set_id) == ((1, 2) if R % 2 == 0 else (2, 1))
+    assert other.included() is False and other.rank() is None
+    with pytest.raises(ValueError, match="not a member"):
+        hvd.allreduce(torch.ones(1), process_set=other)
+    with pytest.raises(ValueError, match=r"duplicate process set: ranks \[0"):
+        hvd.add_process_set(evens)
+
+    # a duplicate inside one list: the rest is registered, the duplicate invalidated, every rank told
+    first, again = hvd.ProcessSet([0, P - 1]), hvd.ProcessSet([P - 1, 0])
+    dup = "repeats the global process set" if P == 2 else "repeats entry 0"
+    with pytest.raises(ValueError, match=rf"entry 1 \(ranks \[0, {P - 1}\]\) {dup}"):
+        hvd.init(process_sets=[first, again])
+    assert again.process_set_id is None and (first.process_set_id is None) == (P == 2)
+    if P > 2 and R in (0, P - 1):
+        close(hvd.allreduce(torch.full((1,), R + 1.0), op=hvd.Sum, process_set=first), torch.full((1,), P + 1.0))
+
+    # lists that differ between ranks register nothing, and every rank says so
+    with pytest.raises(ValueError, match=r"number of communicator sets differs between ranks \{0: 1, 1: 0"):
+        hvd.init(process_sets=[hvd.ProcessSet(MPI.COMM_WORLD)] if R == 0 else [])
+    close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(P)))
+
+    # removing a set invalidates every object that stands for it
+    assert hvd.remove_process_set(mine) and halves.process_set_id is None and mine.process_set_id is None
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(1), process_set=halves)
+
+
+def test_process_set_arguments():
+    for bad in ([0.5], ["0"], 3):
+        with pytest.raises(ValueError, match="list of integer ranks or an mpi4py communicator"):
+            hvd.ProcessSet(bad)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        hvd.ProcessSet([0, 0])
+    assert hvd.ProcessSet([np.int64(P - 1), *range(P - 1)]).ranks == list(range(P))
+    with pytest.raises(ValueError, match="list of hvd.ProcessSet"):
+        hvd.init(process_sets=hvd.ProcessSet([0]))
+
+
 def test_distributed_optimizer_on_a_process_set():
     if P < 2:
         return
