@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 import weakref
+import zlib
 from collections.abc import Generator
 from typing import Any, Callable
 
@@ -53,6 +54,13 @@ __all__ = ["Communicator", "REDUCE_OPS", "Signature", "live_communicators"]
 _perf = time.perf_counter
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()  # for switching the timeline of every communicator
 _from_group_count: dict[str, int] = {}  # communicators made over each set of ranks by from_process_group
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    """Name a set of ranks alike on every process (short: the ranks themselves up to 8, else a checksum)."""
+    if len(ranks) <= 8:
+        return "-".join(map(str, ranks))
+    return f"{len(ranks)}r{zlib.crc32(','.join(map(str, ranks)).encode()):08x}"
 
 
 class Communicator(AgreementProtocol):
@@ -106,7 +114,7 @@ class Communicator(AgreementProtocol):
         if watchdog is not None:
             watchdog.register(uid, mpi_comm)
         self._seq = 0
-        self._derived = 0
+        self._derived: dict[str, int] = {}  # communicators derived from this one, by their members
         _live.add(self)
 
     @classmethod
@@ -146,7 +154,7 @@ class Communicator(AgreementProtocol):
             group.Free()
         # Named alike on every member (and apart from the other communicators over these ranks):
         # the groups derived from it (its lane's) are named after it.
-        label = "-".join(map(str, ranks))
+        label = _ranks_label(ranks)
         count = _from_group_count[label] = _from_group_count.get(label, 0) + 1
         uid = f"{base.uid}/pg{label}.{count}"
         prefix = getattr(base.transport, "prefix", "commwire")
@@ -821,13 +829,16 @@ class Communicator(AgreementProtocol):
         It shares this one's counters, timeline and watchdog, and its data moves over a transport
         of the same kind (for the torch transport, a new process group over its ranks).
         """
-        # Derivations are collective, so every member numbers them alike.
-        self._derived += 1
-        ranks = self._MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.Get_size())),
-                                                self.mpi.Get_group())
-        uid = f"{self.uid}/{self._derived}"
+        ranks = [int(r) for r in self._MPI.Group.Translate_ranks(mpi_comm.Get_group(),
+                                                                 list(range(mpi_comm.Get_size())),
+                                                                 self.mpi.Get_group())]
+        # Named after its members and how many communicators over them this one made: a derivation is
+        # collective over its members, so they name it alike whatever else each of them derived.
+        label = _ranks_label(ranks)
+        count = self._derived[label] = self._derived.get(label, 0) + 1
+        uid = f"{self.uid}/{label}.{count}"
         return Communicator(
-            mpi_comm, transport=self.transport.derive(mpi_comm, [int(r) for r in ranks], uid), counters=self.counters,
+            mpi_comm, transport=self.transport.derive(mpi_comm, ranks, uid), counters=self.counters,
             check=self.check if check is None else check, timeline=self.timeline, cuda_aware=self.cuda_aware,
             watchdog=self.watchdog, uid=uid,
         )

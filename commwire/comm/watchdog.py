@@ -188,10 +188,11 @@ class Watchdog:
         label = f"{op} {name!r}" if name else op
         why = (f"ranks {list(finished)} of this collective have ended their program" if finished
                else f"timeout {self.timeout:g} s")
+        members = self._members(comm_id)
         lines = [f"commwire watchdog: rank {self.rank} has waited {waited:.1f} s in {label} "
-                 f"(collective #{seq} on communicator {comm_id}); {why}"]
+                 f"(collective #{seq} on communicator {comm_id}, world ranks {sorted(members)}); {why}"]
         missing = []
-        for r in range(self.size):
+        for r in sorted(members):
             reply = replies.get(r)
             if r in self._finished and r != self.rank:
                 missing.append(r)

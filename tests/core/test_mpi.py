@@ -131,10 +131,10 @@ def test_singleton_without_mpiexec():
     assert proc.stdout.strip() == "[0.0, 1.0, 2.0] multiple"
 
 
-def _aborted_after_stall(script: Path) -> subprocess.CompletedProcess:
-    """Run ``script`` on 3 ranks (it sets a 2 s stall timeout); return the job, checked to have aborted in time."""
+def _aborted_after_stall(script: Path, n: int = 3) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``n`` ranks (it sets a 2 s stall timeout); return the job, checked to have aborted in time."""
     start = time.monotonic()
-    proc = _commwire("run", "-np", "3", sys.executable, str(script), timeout=60)
+    proc = _commwire("run", "-np", str(n), sys.executable, str(script), timeout=60)
     assert proc.returncode != 0
     assert time.monotonic() - start < 2 + 10
     return proc
@@ -154,6 +154,27 @@ def test_watchdog_names_the_missing_rank_and_aborts(tmp_path):
     assert "allreduce 'grad.layer3'" in proc.stderr
     assert "missing from this collective: ranks [1]" in proc.stderr
     assert "rank 1: not in any collective; last completed allreduce 'warmup'" in proc.stderr
+
+
+def test_watchdog_report_on_a_sub_communicator_names_only_its_members(tmp_path):
+    # Rank 0 made one more communicator than ranks 1 and 2 before their common one: the members
+    # must still name it alike (the report once called rank 0, inside it, missing), and rank 3,
+    # no member, is not missing from it.
+    script = tmp_path / "sub.py"
+    script.write_text(
+        "import commwire as cw, numpy as np, time\n"
+        "world = cw.init(timeout=2)\n"
+        "alone = world.new_group([0])\n"
+        "three = world.new_group([0, 1, 2])\n"
+        "if cw.rank() in (0, 1):\n"
+        "    three.allreduce(np.ones(1), name='stuck')\n"
+        "time.sleep(60)\n"
+    )
+    proc = _aborted_after_stall(script, n=4)
+    assert "world ranks [0, 1, 2]); timeout 2 s" in proc.stderr, proc.stderr
+    assert "rank 0: in the same collective" in proc.stderr and "rank 1: in the same collective" in proc.stderr
+    assert "missing from this collective: ranks [2]\n" in proc.stderr, proc.stderr
+    assert "rank 3:" not in proc.stderr
 
 
 def test_watchdog_report_is_the_same_for_stepped_and_lane_collectives(tmp_path):
