@@ -16,10 +16,15 @@ temporary directory, changing only:
 The suite runs as ONE ``mpiexec -n N python -m pytest test_torch.py`` job per
 N, the way Horovod runs it; every rank writes its own JUnit report, and the
 summary gives each rank's passed / failed / skipped counts and the failures.
-The examples (pytorch_synthetic_benchmark.py, pytorch_mnist.py) run with the
-torchvision stand-in of benchmarks/horovod/torchvision_standin (no CPU
-torchvision wheel matches the torch here): plain, ``--fp16-allreduce`` and
-``--use-adasum``.
+The examples (pytorch_synthetic_benchmark.py, pytorch_mnist.py,
+pytorch_imagenet_resnet50.py) run with the torchvision stand-in of
+benchmarks/horovod/torchvision_standin (no CPU torchvision wheel matches the
+torch here): plain, ``--fp16-allreduce`` and ``--use-adasum``; the ImageNet
+example (it needs ``pip install tqdm tensorboard``) also with
+``--batches-per-allreduce 2`` (gradients of two backward passes per step),
+``--gradient-predivide-factor 2``, and once more for two epochs where the plain
+run left its epoch-1 checkpoint, which it must resume from (rank 0 loads it,
+``broadcast_parameters`` and ``broadcast_optimizer_state`` hand it on).
 
 ``--process-sets`` adds Horovod's two tests of ``hvd.init(process_sets=...)``,
 test/parallel/test_process_sets_static.py and test_process_sets_multi_comm.py
@@ -30,8 +35,9 @@ to commwire's ``commwire.torch.process_sets.registered()``.
 
 ``--elastic`` adds test/single/test_torch_elastic.py (one process, as Horovod's CI
 runs test/single) and the elastic examples (pytorch_synthetic_benchmark_elastic.py,
-pytorch_mnist_elastic.py) under ``commwire run --min-np 1 --max-np N``, each once
-undisturbed and once with a rank killed mid-training.
+pytorch_mnist_elastic.py, pytorch_imagenet_resnet50_elastic.py) under
+``commwire run --min-np 1 --max-np N``, each once undisturbed and once with a
+rank killed mid-training.
 
 Usage:
     python benchmarks/horovod/run_horovod_suite.py --horovod /work/.mirror/horovod+horovod/repo \\
@@ -57,10 +63,12 @@ STANDIN = HERE / "torchvision_standin"
 SUITE = "test/parallel/test_torch.py"
 PROCESS_SET_TESTS = ("test/parallel/test_process_sets_static.py", "test/parallel/test_process_sets_multi_comm.py")
 COMMON = "test/utils/common.py"
-EXAMPLES = ("examples/pytorch/pytorch_synthetic_benchmark.py", "examples/pytorch/pytorch_mnist.py")
+EXAMPLES = ("examples/pytorch/pytorch_synthetic_benchmark.py", "examples/pytorch/pytorch_mnist.py",
+            "examples/pytorch/pytorch_imagenet_resnet50.py")
 ELASTIC_TESTS = "test/single/test_torch_elastic.py"
 ELASTIC_EXAMPLES = ("examples/elastic/pytorch/pytorch_synthetic_benchmark_elastic.py",
-                    "examples/elastic/pytorch/pytorch_mnist_elastic.py")
+                    "examples/elastic/pytorch/pytorch_mnist_elastic.py",
+                    "examples/elastic/pytorch/pytorch_imagenet_resnet50_elastic.py")
 
 
 def read(horovod: Path, rel: str) -> str:
@@ -155,28 +163,46 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
     rows = []
     edits = [(r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")]
     env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512"}
+           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512",
+           "COMMWIRE_STANDIN_IMAGEFOLDER": "256"}
     scripts = {}
     for rel in EXAMPLES:
         extra = [(r"^import horovod$", "import commwire as horovod")] if rel.endswith("mnist.py") else []
         path = work / Path(rel).name
         path.write_text(edit(read(horovod, rel), edits + extra, rel))
         scripts[rel] = path
+    flags = ["", "--fp16-allreduce", "--use-adasum"]
     runs = {
-        "pytorch_synthetic_benchmark.py": ["--no-cuda", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
-                                           "--num-iters", "3", "--batch-size", "8"],
-        "pytorch_mnist.py": ["--no-cuda", "--epochs", "1", "--data-dir", str(work / "data")],
+        "pytorch_synthetic_benchmark.py": (["--no-cuda", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
+                                            "--num-iters", "3", "--batch-size", "8"], flags),
+        "pytorch_mnist.py": (["--no-cuda", "--epochs", "1", "--data-dir", str(work / "data")], flags),
+        # each run writes its own checkpoints; the last resumes the plain run's (its epoch 1) for epoch 2
+        "pytorch_imagenet_resnet50.py": (["--no-cuda", "--batch-size", "16", "--val-batch-size", "16",
+                                          "--train-dir", str(work / "imagenet" / "train"),
+                                          "--val-dir", str(work / "imagenet" / "val")],
+                                         flags + ["--batches-per-allreduce 2", "--gradient-predivide-factor 2",
+                                                  "--epochs 2"]),
     }
     for rel, path in scripts.items():
-        for flag in ("", "--fp16-allreduce", "--use-adasum"):
-            args = runs[path.name] + ([flag] if flag else [])
+        base, variants = runs[path.name]
+        for flag in variants:
+            args = base + flag.split()
+            if path.name == "pytorch_imagenet_resnet50.py":
+                run_dir = work / "imagenet" / (flag.replace("-", "").replace(" ", "") if flag != "--epochs 2" else "")
+                run_dir.mkdir(parents=True, exist_ok=True)
+                args += ([] if flag == "--epochs 2" else ["--epochs", "1"]) + [
+                    "--log-dir", str(run_dir / "logs"), "--checkpoint-format", str(run_dir / "ckpt-{epoch}.pth.tar")]
             start = time.monotonic()
             try:
                 proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, str(path), *args], cwd=work, env=env,
                                       capture_output=True, text=True, timeout=timeout)
-                lines = (proc.stdout + proc.stderr).strip().splitlines()
-                key = [ln.strip() for ln in lines if "Test set:" in ln or "Total img/sec" in ln]
-                code, tail = proc.returncode, key or lines[-3:]
+                lines = (proc.stdout + proc.stderr).replace("\r", "\n").strip().splitlines()
+                # one line per test-set report, throughput figure and (the last render of) finished progress bar
+                key = {ln.split("|")[0] if "Epoch" in ln else ln: ln.strip() for ln in lines
+                       if "Test set:" in ln or "Total img/sec" in ln or re.search(r"Epoch +#\d+: 100%", ln)}
+                code, tail = proc.returncode, list(key.values()) or lines[-3:]
+                if flag == "--epochs 2" and any("Epoch     #1" in ln for ln in key):
+                    code, tail = "did not resume", tail + ["trained epoch 1 again: the checkpoint was not resumed"]
             except subprocess.TimeoutExpired:
                 code, tail = "timeout", []
             rows.append({"example": path.name, "flag": flag or "(plain)", "ranks": n, "exit": code,
@@ -202,7 +228,8 @@ def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]
     rows = []
     edits = [(r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")]
     env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512"}
+           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512",
+           "COMMWIRE_STANDIN_IMAGEFOLDER": "1024"}
     tests = work / Path(ELASTIC_TESTS).name
     tests.write_text(edit(read(horovod, ELASTIC_TESTS), edits, ELASTIC_TESTS))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], cwd=work,
@@ -214,14 +241,24 @@ def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]
                                                    "--num-batches-per-iter", "2", "--num-iters", "12",
                                                    "--batch-size", "8"],
         "pytorch_mnist_elastic.py": ["--no-cuda", "--epochs", "2", "--data-dir", str(work / "data")],
+        # two backward passes per step, a commit every 2 steps, a host check every step
+        "pytorch_imagenet_resnet50_elastic.py": ["--no-cuda", "--epochs", "3", "--batch-size", "16",
+                                                 "--val-batch-size", "16", "--batches-per-allreduce", "2",
+                                                 "--batches-per-commit", "2", "--batches-per-host-check", "1",
+                                                 "--train-dir", str(work / "imagenet" / "train"),
+                                                 "--val-dir", str(work / "imagenet" / "val")],
     }
-    progress = re.compile(r"Iter #1:|Train Epoch: 1 \[\d+/\d+ \(\d\d?%")
+    progress = re.compile(r"Iter #1:|Train Epoch: 1 \[\d+/\d+ \(\d\d?%|Train Epoch +#1: 100%")
     for rel in ELASTIC_EXAMPLES:
         path = work / Path(rel).name
         path.write_text(edit(read(horovod, rel), edits, rel))
         for kill in (False, True):
+            args = list(runs[path.name])
+            if "imagenet" in path.name:  # a fresh directory per run: a checkpoint left behind would be resumed
+                run_dir = work / "imagenet" / ("killed" if kill else "undisturbed")
+                args += ["--log-dir", str(run_dir / "logs"), "--checkpoint-format", str(run_dir / "ckpt-{epoch}.pth.tar")]
             cmd = [sys.executable, "-m", "commwire", "run", "-np", str(n), "--min-np", "1", "--max-np", str(n),
-                   "-H", f"localhost:{n}", sys.executable, str(path), *runs[path.name]]
+                   "-H", f"localhost:{n}", sys.executable, str(path), *args]
             start = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
@@ -241,7 +278,8 @@ def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]
                     proc.kill()
                     break
             code = proc.wait()
-            key = [ln for ln in lines if "Total img/sec" in ln or "Test set:" in ln or "reset" in ln]
+            key = [ln.split("\r")[-1] for ln in lines if "Total img/sec" in ln or "Test set:" in ln or "reset" in ln
+                   or re.search(r"Validate Epoch +#\d+: 100%", ln)]
             rows.append({"example": path.name, "flag": f"rank pid {killed} killed" if kill else "(undisturbed)",
                          "ranks": n, "exit": code, "seconds": round(time.monotonic() - start, 1),
                          "resets": sum("commwire run: reset" in ln for ln in lines), "last_lines": key[-3:]})
@@ -269,14 +307,15 @@ def main(argv: list[str] | None = None) -> int:
                              "a temporary directory")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.np.split(",") if v.strip()]
-    if args.suite or args.process_sets:
-        import importlib.util
+    import importlib.util
 
-        # Horovod's test/utils/common.py imports these; without them every rank's collection
-        # fails, which reads like a commwire failure.
-        missing = [m for m in ("mock", "pytest") if importlib.util.find_spec(m) is None]
-        if missing:
-            raise SystemExit(f"Horovod's test helpers need {', '.join(missing)}: pip install {' '.join(missing)}")
+    # Horovod's test/utils/common.py imports mock and pytest (without them every rank's collection
+    # fails, which reads like a commwire failure); the ImageNet example, tqdm and TensorBoard.
+    needed = (("mock", "pytest") if args.suite or args.process_sets else ()) + (
+        ("tqdm", "tensorboard") if args.examples else ())
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"Horovod's tests and examples need {', '.join(missing)}: pip install {' '.join(missing)}")
     results: dict = {"suites": [], "examples": []}
     with tempfile.TemporaryDirectory(prefix="cw-horovod-") as tmp:
         work = Path(tmp)
