@@ -79,6 +79,29 @@ def test_codec_none_equals_plain_ddp(bucket_cap_mb, transport):
     assert state.steps == 20 and state.bytes_sent == state.input_bytes > 0
 
 
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
+def test_uneven_inputs_under_ddps_join_equal_plain_ddp(transport):
+    # Rank r trains 3 + 2r batches inside DDP's join(); the ranks that ran out shadow the others'
+    # all-reduces through the registered hook, with zero gradients.
+    def train(codec: str | None) -> torch.Tensor:
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        if codec is not None:
+            ddp.register_comm_hook(*hvd.ddp_hook(codec, model=ddp, transport=transport))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        with ddp.join():
+            for step in range(3 + 2 * R):
+                x, y = _batch(step)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    plain, ours = train(None), train("none")
+    assert not torch.equal(plain, torch.cat([p.detach().flatten() for p in _model().parameters()]))  # it trained
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("codec", ["bf16", "fp8-e4m3", "ef+fp8-e4m3", "ef+nvfp4"])
 def test_lossy_codecs_train_like_plain_ddp(codec):
     _, plain, _ = _train(None, steps=40)
