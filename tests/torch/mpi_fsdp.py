@@ -104,6 +104,45 @@ def test_codec_none_equals_fsdp2(transport):
     assert plain_losses[-1] < 0.7 * plain_losses[0]  # the reference itself learns: a real check
 
 
+def _train_accumulating(model: torch.nn.Module, steps: int = 6, micro: int = 2) -> None:
+    """SGD steps of ``micro`` micro-batches each, syncing gradients only on the last (FSDP2's no_sync)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            x, y = _batch(step * micro + m, R)
+            (torch.nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("setting", ["no-reshard", "accumulate", "bf16-params"])
+def test_codec_none_equals_fsdp2_with_its_options(setting):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    kw = {"no-reshard": {"reshard_after_forward": False},
+          "bf16-params": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+          }.get(setting, {})
+
+    def run(model: torch.nn.Module) -> None:
+        _train_accumulating(model) if setting == "accumulate" else _train(model, steps=6, adam=False)
+
+    def shard(model: torch.nn.Module) -> torch.nn.Module:
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        return fully_shard(model, **kw)
+
+    plain, mine = shard(_fresh()), shard(_fresh())
+    run(plain)
+    state = cw_fsdp.compress(mine, reduce_scatter="none", all_gather="none")
+    run(mine)
+    assert state.calls["reduce_scatter"] == 6 * 3  # once per step and module: none in the no-sync micro-batches
+    want, got, start = _full(plain), _full(mine), _full(shard(_fresh()))
+    assert not all(np.array_equal(want[k], start[k]) for k in want)  # it trained
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
 @pytest.mark.parametrize("rs,ag,tol", [("ef+fp8-e4m3", "fp8-e4m3", 0.05), ("ef+nvfp4", None, 0.15),
                                        ("fp8-e4m3", "nvfp4", 0.2)])
 def test_compressed_training_follows_fsdp2(rs, ag, tol):
