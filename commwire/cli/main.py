@@ -191,6 +191,9 @@ def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[
 
     def start(used: list[tuple[str, int]], np_: int, elastic_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         job_env = {**env, **elastic_env}
+        here = launcher_kind != "slurm" and not os.environ.get("SLURM_JOB_ID") and launch.hosts_are_local(used)
+        if lab or here:  # torch's rendezvous (as for a job that is not elastic), a fresh port each (re)launch
+            job_env = {**_rendezvous(lab, job_env), **job_env}
         if lab:
             from .. import lab as lab_mod
 

@@ -75,7 +75,9 @@ def test_processes_joined_by_torch_distributed_alone_are_refused(tmp_path):
                 "= 2), but MPI made it a world of 1") in out, out[-3000:]
 
 
-def test_a_script_written_for_torchrun_runs_under_commwire_run(tmp_path):
+@pytest.mark.parametrize("elastic", [[], ["--min-np", "1", "--max-np", "2", "-H", "localhost:2"]],
+                         ids=["plain", "elastic"])
+def test_a_script_written_for_torchrun_runs_under_commwire_run(tmp_path, elastic):
     # init_process_group() with env:// and LOCAL_RANK from the environment, as torchrun's scripts do;
     # then commwire's DDP hook: each rank's gradient is the average of every rank's, computed apart.
     script = tmp_path / "ddp.py"
@@ -100,7 +102,7 @@ def test_a_script_written_for_torchrun_runs_under_commwire_run(tmp_path):
         torch.testing.assert_close(model.weight.grad, w.grad / hvd.size(), rtol=1e-6, atol=1e-7)
         print("same gradient on rank", hvd.rank(), flush=True)
     """))
-    run = [sys.executable, "-m", "commwire", "run", "-np", "2", sys.executable, str(script)]
+    run = [sys.executable, "-m", "commwire", "run", "-np", "2", *elastic, sys.executable, str(script)]
     proc = subprocess.run(run, env=_env(), capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
