@@ -267,9 +267,13 @@ def _world_ranks(mpi_comm: Any, world: Communicator) -> list[int]:
     """Return the world ranks of ``mpi_comm``'s members (-1 for a process outside the world), sorted."""
     from mpi4py import MPI
 
-    if mpi_comm == MPI.COMM_NULL:
+    try:  # a rank that raised here would leave the others in the exchange: it reports "no group" instead
+        if mpi_comm == MPI.COMM_NULL:
+            return []
+        ranks = MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.Get_size())),
+                                          world.mpi.Get_group())
+    except Exception:  # noqa: BLE001 - whatever MPI says, every rank then raises the same clear error
         return []
-    ranks = MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.Get_size())), world.mpi.Get_group())
     return sorted(-1 if r == MPI.UNDEFINED else int(r) for r in ranks)
 
 

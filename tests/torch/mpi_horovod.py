@@ -505,6 +505,14 @@ def test_process_set_arguments():
     assert hvd.ProcessSet([np.int64(P - 1), *range(P - 1)]).ranks == list(range(P))
     with pytest.raises(ValueError, match="list of hvd.ProcessSet"):
         hvd.init(process_sets=hvd.ProcessSet([0]))
+    from mpi4py import MPI
+
+    # one rank's communicator is no communicator of its own: every rank raises, none waits
+    split = MPI.COMM_WORLD.Split(R % 2, R)
+    with pytest.raises(ValueError, match=r"communicator set 0 on rank 0 is not a communicator over world ranks"):
+        hvd.init(process_sets=[hvd.ProcessSet(MPI.COMM_NULL if R == 0 else split)])
+    split.Free()
+    close(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(P)))
 
 
 def test_distributed_optimizer_on_a_process_set():
