@@ -189,8 +189,9 @@ class Watchdog:
         why = (f"ranks {list(finished)} of this collective have ended their program" if finished
                else f"timeout {self.timeout:g} s")
         members = self._members(comm_id)
+        span = "every rank" if len(members) == self.size else f"world ranks {sorted(members)}"
         lines = [f"commwire watchdog: rank {self.rank} has waited {waited:.1f} s in {label} "
-                 f"(collective #{seq} on communicator {comm_id}, world ranks {sorted(members)}); {why}"]
+                 f"(collective #{seq} on communicator {comm_id}, {span}); {why}"]
         missing = []
         for r in sorted(members):
             reply = replies.get(r)
