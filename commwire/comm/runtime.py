@@ -246,9 +246,11 @@ def _import_mpi(level: str) -> Any:
 
 
 def _finalize_mpi() -> None:
+    import mpi4py
     from mpi4py import MPI
 
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+    # mpi4py.rc.finalize = False: the program finalises MPI itself, as it said
+    if mpi4py.rc.finalize is not False and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 
 
