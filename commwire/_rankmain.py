@@ -1,14 +1,15 @@
 """Run a program on one rank so that any failure aborts the whole job and its output lines stay whole.
 
 ``commwire run`` starts ``python script.py`` as ``python -m commwire._rankmain
-[--tag-output] [--output-dir DIR] script.py``. An unhandled exception, or
+[--tag-output] [--timestamp-output] [--output-dir DIR] script.py``. An unhandled exception, or
 ``sys.exit`` with a non-zero status, prints this rank's number and traceback
 and calls MPI_Abort, so the other ranks never wait forever in a collective the
 failed rank will not join.
 
 Output: sys.stdout and sys.stderr become streams that hand the launcher whole
 lines only, with ``--tag-output`` each prefixed ``[RANK]<stdout>:`` or
-``[RANK]<stderr>:`` as horovodrun prints them. Every os.write carries whole
+``[RANK]<stderr>:`` as horovodrun prints them (``--timestamp-output`` puts the
+time before it, as horovodrun's ``--prefix-output-with-timestamp`` does). Every os.write carries whole
 lines and at most PIPE_BUF bytes, so the launcher, which forwards what it reads
 from each rank's pipe, never joins two ranks' text on one line. Text that no
 newline has ended yet is held until one comes, or until the stream is flushed
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Any, BinaryIO
 
@@ -41,7 +43,7 @@ from .comm.rankenv import launcher_ranks, torch_variables
 from .comm.ranklog import env_rank, record, start_guardian
 from .comm.runtime import install_abort_hook, report_and_abort
 
-_USAGE = ("usage: python -m commwire._rankmain [--tag-output] [--output-dir DIR] "
+_USAGE = ("usage: python -m commwire._rankmain [--tag-output] [--timestamp-output] [--output-dir DIR] "
           "(script | -m module | -c code | --exec program) [args...]")
 _LINE_MAX = select.PIPE_BUF  # a pipe write up to this size is never split or mixed with another
 
@@ -49,12 +51,13 @@ _LINE_MAX = select.PIPE_BUF  # a pipe write up to this size is never split or mi
 class _LineWriter:
     """Turn a byte stream into whole lines, each tagged, written to ``fd`` in PIPE_BUF-sized pieces."""
 
-    def __init__(self, fd: int, tag: str, copy: BinaryIO | None = None) -> None:
-        self.fd, self.tag, self.copy = fd, tag.encode(), copy
+    def __init__(self, fd: int, tag: str, copy: BinaryIO | None = None, stamp: bool = False) -> None:
+        self.fd, self.tag, self.copy, self.stamp = fd, tag.encode(), copy, stamp
         self.pending = b""
         self.broken = False  # a flush ended the last line early: the newline that ends it is already out
         self.lock = threading.RLock()  # reentrant: a signal handler may print while a write is under way
-        self.room = max(_LINE_MAX - len(self.tag) - 1, 64)  # line bytes per piece, tag and newline aside
+        stamp_len = len(time.asctime()) if stamp else 0  # always 24 characters
+        self.room = max(_LINE_MAX - len(self.tag) - stamp_len - 1, 64)  # line bytes per piece, prefix aside
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _after_fork(self) -> None:
@@ -82,9 +85,10 @@ class _LineWriter:
 
     def _emit(self, lines: list[bytes]) -> None:
         batch, copied = b"", []
+        prefix = (time.asctime().encode() if self.stamp else b"") + self.tag  # horovodrun's {time}[RANK]<stream>:
         for line in lines:
             for start in range(0, max(len(line), 1), self.room):
-                piece = self.tag + line[start:start + self.room] + b"\n"
+                piece = prefix + line[start:start + self.room] + b"\n"
                 if len(batch) + len(piece) > _LINE_MAX:
                     _write_all(self.fd, batch)
                     batch = b""
@@ -181,9 +185,9 @@ def _copy_file(output_dir: str | None, stream: str) -> BinaryIO | None:
     return open(os.path.join(folder, stream), "wb", buffering=0)  # noqa: SIM115 - open for the rank's life
 
 
-def _line_writers(tag: bool, output_dir: str | None) -> dict[str, _LineWriter]:
+def _line_writers(tag: bool, output_dir: str | None, stamp: bool = False) -> dict[str, _LineWriter]:
     rank = env_rank()
-    return {name: _LineWriter(fd, f"[{rank}]<{name}>:" if tag else "", _copy_file(output_dir, name))
+    return {name: _LineWriter(fd, f"[{rank}]<{name}>:" if tag else "", _copy_file(output_dir, name), stamp)
             for name, fd in (("stdout", 1), ("stderr", 2))}
 
 
@@ -247,27 +251,29 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _options(argv: list[str]) -> tuple[bool, str | None, bool, list[str]]:
+def _options(argv: list[str]) -> tuple[bool, bool, str | None, bool, list[str]]:
     """Split the wrapper's own leading options from the program's command line."""
-    tag, output_dir, i = False, None, 0
-    while i < len(argv) and argv[i] in ("--tag-output", "--output-dir"):
+    tag, stamp, output_dir, i = False, False, None, 0
+    while i < len(argv) and argv[i] in ("--tag-output", "--timestamp-output", "--output-dir"):
         if argv[i] == "--tag-output":
             tag, i = True, i + 1
+        elif argv[i] == "--timestamp-output":
+            stamp, i = True, i + 1
         elif i + 1 < len(argv):
             output_dir, i = argv[i + 1], i + 2
         else:
             raise SystemExit(_USAGE)
     is_exec = i < len(argv) and argv[i] == "--exec"
-    return tag, output_dir, is_exec, argv[i + is_exec:]
+    return tag, stamp, output_dir, is_exec, argv[i + is_exec:]
 
 
 def main() -> None:
     """Run the program named on the command line under the abort hook, its output in whole lines."""
-    tag, output_dir, is_exec, argv = _options(sys.argv[1:])
+    tag, stamp, output_dir, is_exec, argv = _options(sys.argv[1:])
     os.environ.update(torch_variables())  # a script written for torchrun finds its rank where it looks
     record("running")
     start_guardian()  # before MPI and threads: forking is safe now
-    writers = _line_writers(tag, output_dir)
+    writers = _line_writers(tag, output_dir, stamp)
     if is_exec:
         if not argv:
             raise SystemExit(_USAGE)

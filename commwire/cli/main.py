@@ -20,6 +20,7 @@ import click
 
 from .. import bench as benchmarks
 from .. import launch
+from . import horovodrun
 
 __all__ = ["cli", "main"]
 
@@ -88,6 +89,7 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
 @click.option("--elastic-mode", type=click.Choice(["relaunch", "ulfm"]), default="relaunch", show_default=True,
               help="elastic: re-form a lost host by relaunching the job, or in process (Open MPI --with-ft ulfm)")
 @click.option("--reset-log", type=click.Path(dir_okay=False), help="elastic: append each reset as a JSON line")
+@horovodrun.options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, env_pairs: tuple[str, ...],
@@ -96,10 +98,12 @@ def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, e
         launcher_kind: str | None, lab: bool, no_wrap: bool, verbose: bool, dry_run: bool,
         min_np: int | None, max_np: int | None, host_discovery_script: str | None, slots_per_host: int | None,
         elastic_timeout: float, reset_limit: int | None, blacklist_cooldown_range: tuple[float, float] | None,
-        elastic_mode: str, reset_log: str | None, command: tuple[str, ...]) -> None:
+        elastic_mode: str, reset_log: str | None, command: tuple[str, ...], **hvd: Any) -> None:
     """Run COMMAND on N ranks through the MPI launcher found (MPICH, Open MPI, Intel MPI, Slurm).
 
-    Takes horovodrun's options with their meaning. Each line a rank prints is
+    Takes horovodrun's options with their meaning (those without a counterpart
+    set the HOROVOD_* variable horovodrun sets, and hvd.init() names them in
+    one warning; commwire/cli/horovodrun.py lists them). Each line a rank prints is
     prefixed [RANK]<stdout>: or [RANK]<stderr>: (as horovodrun does), and two
     ranks' text never shares a line; --no-tag-output drops the prefix. An
     unhandled exception on any rank aborts the whole job with that rank's
@@ -113,10 +117,17 @@ def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, e
     _check_command_words(ctx, command)
     if no_wrap and output_dir:
         raise _Refused("--output-filename needs the per-rank wrapper; drop --no-wrap")
+    problem = horovodrun.refused(hvd)
+    if problem:
+        raise _Refused(problem)
+    if lab and (horovodrun.interfaces(hvd) or hvd["ssh_port"] or hvd["ssh_identity_file"]):
+        raise _Refused("--lab sets up its own network and launch; drop --network-interface/-p/-i")
     env = {"COMMWIRE_RUN": "1", **_parse_env(env_pairs)}
     # Explicit options win over -x, as horovodrun's do over the environment.
+    env.update(horovodrun.environment(hvd))
     env.update(_horovodrun_env(timeline, fusion_threshold_mb, cycle_time_ms, check))
     options = (["--tag-output"] if tag_output else []) + (
+        ["--timestamp-output"] if hvd["prefix_timestamp"] else []) + (
         ["--output-dir", os.path.abspath(output_dir)] if output_dir else [])
     cmd = list(command) if no_wrap else launch.wrap_program(command, options)
     if min_np is not None or max_np is not None or host_discovery_script is not None:
@@ -130,11 +141,11 @@ def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, e
                               reset_limit=reset_limit, cooldown=blacklist_cooldown_range, mode=elastic_mode,
                               reset_log=reset_log)
         sys.exit(_run_elastic(opts, command, cmd, env, hosts=hosts, hostfile=hostfile, launcher_kind=launcher_kind,
-                              lab=lab, mpi_args=shlex.split(mpi_args), verbose=verbose))
+                              lab=lab, mpi_args=shlex.split(mpi_args), verbose=verbose, hvd=hvd))
     try:
         argv, env, local = _launch_argv(np_, command, cmd, env, hosts=hosts, hostfile=hostfile,
                                         launcher_kind=launcher_kind, lab=lab, mpi_args=shlex.split(mpi_args),
-                                        check_program=not dry_run)
+                                        check_program=not dry_run, hvd=hvd)
     except (RuntimeError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     wrapped = "commwire._rankmain" in cmd
@@ -155,7 +166,7 @@ def run(ctx: click.Context, np_: int, hosts: str | None, hostfile: str | None, e
 
 def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[str, str], *, hosts: str | None,
                  hostfile: str | None, launcher_kind: str | None, lab: bool, mpi_args: list[str],
-                 verbose: bool) -> int:
+                 verbose: bool, hvd: dict[str, Any]) -> int:
     """Run ``cmd`` under the elastic driver (commwire.elastic.driver); return the job's exit status."""
     import shlex
 
@@ -198,12 +209,12 @@ def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[
             from .. import lab as lab_mod
 
             prefix, lab_env = lab_mod.launch_args(np_, {**os.environ, **job_env}, hosts=used)
-            argv = prefix + mpi_args + cmd
+            argv = prefix + horovodrun.launcher_args("mpich", hvd) + mpi_args + cmd
             job_env = {k: v for k, v in lab_env.items() if os.environ.get(k) != v}
         else:
             assert launcher is not None
-            argv = launch.build_command(launcher, np_, cmd, hosts=",".join(f"{h}:{s}" for h, s in used),
-                                        env=job_env, mpi_args=extra + mpi_args)
+            argv = launch.build_command(launcher, np_, cmd, hosts=",".join(f"{h}:{s}" for h, s in used), env=job_env,
+                                        mpi_args=extra + horovodrun.launcher_args(launcher.kind, hvd) + mpi_args)
         if verbose:
             click.echo(f"commwire run: launcher command: {shlex.join(argv)}", err=True)
         return argv, job_env
@@ -232,7 +243,7 @@ def _horovodrun_env(timeline: str | None, fusion_threshold_mb: int | None, cycle
 
 def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[str, str], *, hosts: str | None,
                  hostfile: str | None, launcher_kind: str | None, lab: bool, mpi_args: list[str],
-                 check_program: bool) -> tuple[list[str], dict[str, str], bool]:
+                 check_program: bool, hvd: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str], bool]:
     """Return the launcher argv for ``cmd``, the environment to add, and whether every rank runs here.
 
     With ``check_program`` (and ranks on this machine), refuse a ``command``
@@ -253,10 +264,11 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
         prefix, lab_env = lab_mod.launch_args(np_, {**os.environ, **env})
         if local and check_program:
             launch.check_command(command, env=lab_env)
-        return prefix + mpi_args + cmd, {k: v for k, v in lab_env.items() if os.environ.get(k) != v}, local
+        return prefix + horovodrun.launcher_args("mpich", hvd or {}) + mpi_args + cmd, {k: v for k, v in lab_env.items() if os.environ.get(k) != v}, local
     launcher = launch.find_launcher(launcher_kind)
     if local and check_program:  # a remote host may have what this one lacks: there, let the launcher say
         launch.check_command(command, env={**os.environ, **env})
+    mpi_args = horovodrun.launcher_args(launcher.kind, hvd or {}) + mpi_args
     argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env, mpi_args=mpi_args)
     return argv, env, local
 

@@ -22,8 +22,14 @@ NO_EFFECT = {
     "HOROVOD_CACHE_CAPACITY": "commwire remembers 4096 agreed signatures per communicator",
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "MPI picks the all-reduce algorithm",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "MPI picks the all-gather algorithm",
+    "HOROVOD_TORUS_ALLREDUCE": "no NCCL torus all-reduce",
     "HOROVOD_AUTOTUNE": "commwire tunes the compressed all-reduce's segments itself",
     "HOROVOD_AUTOTUNE_LOG": "no Horovod autotuner",
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "no Horovod autotuner",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "no Horovod autotuner",
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "no Horovod autotuner",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "no Horovod autotuner",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": "no Gloo controller (the torch transport's gloo groups use torch's timeout)",
     "HOROVOD_NUM_NCCL_STREAMS": "commwire does not use NCCL",
     "HOROVOD_BATCH_D2D_MEMCOPIES": "no device-to-device batching",
     "HOROVOD_GROUPED_ALLREDUCES": "grouped collectives always fuse",
@@ -42,6 +48,10 @@ NO_EFFECT = {
     "HOROVOD_LOG_HIDE_TIME": "commwire reports errors as exceptions, stalls through its watchdog",
     "HOROVOD_MPI_THREADS_DISABLE": "commwire needs MPI thread level 'multiple' for its background lanes",
 }
+# Switches whose "off" (0) is what commwire does anyway: set to 0 they are no setting lost.
+_OFF_IS_COMMWIRES = {"HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER",
+                     "HOROVOD_TORUS_ALLREDUCE", "HOROVOD_AUTOTUNE", "HOROVOD_MPI_THREADS_DISABLE",
+                     "HOROVOD_LOG_HIDE_TIME", "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_ENABLE_XLA_OPS"}
 _LAUNCHER = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
              "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
              "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_IFACE", "HOROVOD_ELASTIC")
@@ -76,7 +86,7 @@ def apply_at_init() -> None:
         if name in HONOURED or name in _LAUNCHER:
             continue
         if name in NO_EFFECT:
-            if name == "HOROVOD_TIMELINE_MARK_CYCLES" and value.strip() in ("", "0"):
+            if name in _OFF_IS_COMMWIRES and value.strip() in ("", "0"):
                 continue
             ignored.append(f"{name}={value!r}: {NO_EFFECT[name]}")
         else:

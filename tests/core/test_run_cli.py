@@ -90,6 +90,46 @@ def test_dry_run_maps_hosts_and_horovodrun_options(capsys, tmp_path):
                                 "train.py --lr 1")
 
 
+def test_dry_run_takes_horovodruns_other_options(capsys):
+    args = ["run", "--dry-run", "--launcher", "mpich", "-np", "2", "-H", "n1:1,n2:1", "--mpi",
+            "--network-interface", "eth1", "-p", "2222", "-i", "/keys/id", "--binding-args", "-bind-to core",
+            "--no-stall-check", "--stall-check-warning-time-seconds", "30", "--cache-capacity", "0",
+            "--hierarchical-allreduce", "--no-autotune", "--log-level", "info", "--log-without-timestamp",
+            "--tcp", "--disable-cache", "-prefix-timestamp", "python", "t.py"]
+    if main(args) != 0:
+        pytest.skip("no MPICH launcher here: " + capsys.readouterr().err)
+    out = capsys.readouterr().out
+    for variable, value in [("HOROVOD_STALL_CHECK_DISABLE", "1"), ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30"),
+                            ("HOROVOD_CACHE_CAPACITY", "0"), ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+                            ("HOROVOD_AUTOTUNE", "0"), ("HOROVOD_LOG_LEVEL", "INFO"), ("HOROVOD_LOG_HIDE_TIME", "1"),
+                            ("NCCL_IB_DISABLE", "1"), ("GLOO_SOCKET_IFNAME", "eth1"), ("NCCL_SOCKET_IFNAME", "eth1")]:
+        assert f"-genv {variable} {value} " in out, (variable, out)
+    assert "-iface eth1 -bootstrap ssh -bootstrap-exec-args '-p 2222 -i /keys/id' -bind-to core python" in out
+    assert out.strip().endswith("python -m commwire._rankmain --tag-output --timestamp-output t.py")
+    assert "COMMWIRE_TRANSPORT" not in out
+
+
+def test_horovodruns_options_for_open_mpi_and_the_ones_refused(capsys):
+    from commwire.cli import horovodrun
+
+    values = {"nics": ("eth0,eth1",), "ssh_port": 2222, "ssh_identity_file": None, "binding_args": "--bind-to core"}
+    assert horovodrun.launcher_args("openmpi", values) == [
+        "--mca", "btl_tcp_if_include", "eth0,eth1", "--mca", "oob_tcp_if_include", "eth0,eth1",
+        "--mca", "plm_rsh_args", "-p 2222", "--bind-to", "core"]
+    assert horovodrun.environment({"use_gloo": True, "nics": ("eth0", "eth1")}) == {
+        "COMMWIRE_TRANSPORT": "torch", "GLOO_SOCKET_IFNAME": "eth0,eth1", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
+    with pytest.raises(ValueError, match="srun starts the ranks without ssh"):
+        horovodrun.launcher_args("slurm", {"ssh_port": 22})
+    for extra, why in [(["--jsrun"], "start the job with jsrun itself"), (["--config-file", "c.yaml"], "YAML"),
+                       (["--gloo", "--mpi"], "choose one"), (["--lab", "-p", "22"], "--lab sets up its own")]:
+        assert main(["run", "--dry-run", "-np", "2", *extra, "python", "t.py"]) != 0
+        assert why in capsys.readouterr().err
+    status = main(["run", "--dry-run", "--launcher", "mpich", "-np", "2", "--network-interface", "a",
+                   "--network-interface", "b", "python", "t.py"])
+    err = capsys.readouterr().err
+    assert status != 0 and ("take one interface" in err or "no MPI launcher" in err), err
+
+
 def test_dry_run_hosts_flag_and_no_tag_output(capsys):
     if main(["run", "--dry-run", "--launcher", "mpich", "-np", "4", "-H", "n1:2,n2:2", "--no-tag-output",
              "python", "t.py"]) != 0:

@@ -776,6 +776,19 @@ def test_unsupported_horovod_variables_are_reported(monkeypatch):
     text = str(caught[0].message)
     assert "HOROVOD_CYCLE_TIME='5'" in text and "typo" in text
     assert os.environ.get("HOROVOD_TIMELINE") is None or "HOROVOD_TIMELINE" not in text
+    # every variable horovodrun's options set is known; a switch set to its off value loses nothing
+    from commwire.cli import horovodrun
+
+    for _, _, variable, _, _ in horovodrun.KNOBS:
+        assert variable in _env.NO_EFFECT or variable in _env.HONOURED, variable
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+    monkeypatch.delenv("HOROVOD_HIERACHICAL_ALLREDUCE")
+    monkeypatch.setenv("HOROVOD_AUTOTUNE", "0")
+    monkeypatch.setenv("HOROVOD_TORUS_ALLREDUCE", "1")
+    with pytest.warns(UserWarning) as caught:
+        _env.apply_at_init()
+    text = str(caught[0].message)
+    assert "HOROVOD_TORUS_ALLREDUCE='1': no NCCL torus" in text and "AUTOTUNE" not in text
 
 
 def test_sync_batch_norm_is_exported():

@@ -9,6 +9,7 @@ torchrun runs unchanged under ``commwire run``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -107,3 +108,20 @@ def test_a_script_written_for_torchrun_runs_under_commwire_run(tmp_path, elastic
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert out.count("same gradient on rank") == 2, out[-3000:]
+
+
+def test_horovodrun_options_gloo_timestamps_and_no_stall_check_take_effect(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text(textwrap.dedent("""
+        import commwire, commwire.torch as hvd
+        hvd.init()
+        print("transport", commwire.world().transport.name, "watchdog", commwire.world().watchdog is not None)
+    """))
+    run = [sys.executable, "-m", "commwire", "run", "-np", "2", "--gloo", "-prefix-timestamp", "--no-stall-check",
+           sys.executable, str(script)]
+    proc = subprocess.run(run, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "transport" in ln]
+    stamp = r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}"  # time.asctime(), as horovodrun's
+    found = [re.fullmatch(rf"{stamp}\[(\d)\]<stdout>:transport torch watchdog False", ln) for ln in lines]
+    assert all(found) and sorted(m.group(1) for m in found) == ["0", "1"], lines
