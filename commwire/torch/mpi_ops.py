@@ -34,8 +34,14 @@ from ..comm.arrays import Invalid
 from ..comm.communicator import Communicator
 from ..comm.handle import Handle
 from ..comm.reduce import normalize_op
-from .basics import Average, Sum
-from .process_sets import comm_of, global_process_set
+# horovod.torch.mpi_ops also holds the lifecycle, introspection and process-set names: code that
+# imports them from there (from horovod.torch.mpi_ops import rank, size, Sum) switches by its import.
+from .basics import (
+    Adasum, Average, Max, Min, Product, Sum, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+    gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
+)
+from .process_sets import ProcessSet, add_process_set, comm_of, global_process_set, remove_process_set
 from .compression import Compression, resolve
 
 __all__ = [
@@ -46,6 +52,12 @@ __all__ = [
     "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "sparse_allreduce_async", "poll", "synchronize", "join", "barrier",
+    # as horovod.torch.mpi_ops has them (defined in commwire.torch.basics and .process_sets)
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "gloo_built", "gloo_enabled", "init", "is_homogeneous", "is_initialized", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rocm_built",
+    "shutdown", "size", "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set",
 ]
 
 
@@ -544,8 +556,6 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = _call(ctx.process_set, _allreduce_on, grad.contiguous(), Average, 1.0, 1.0)
-        from .basics import rank
-
         if rank() != ctx.root:
             reduced = reduced * 0
         return reduced, None, None, None
