@@ -65,6 +65,7 @@ __all__ = [
     "rank",
     "reduce_scatter",
     "reduce_scatter_async",
+    "run",
     "size",
     "stats",
     "thread_level",
@@ -198,6 +199,10 @@ def barrier(*, comm: Communicator | None = None) -> None:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "run":  # imported on first use: each rank of commwire.run runs that module as its program
+        from .runfunc import run
+
+        return run
     # torch-dependent names resolve on first use, so `import commwire` never imports torch.
     if name == "DistributedOptimizer":
         try:

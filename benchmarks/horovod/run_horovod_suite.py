@@ -24,7 +24,10 @@ example (it needs ``pip install tqdm tensorboard``) also with
 ``--batches-per-allreduce 2`` (gradients of two backward passes per step),
 ``--gradient-predivide-factor 2``, and once more for two epochs where the plain
 run left its epoch-1 checkpoint, which it must resume from (rank 0 loads it,
-``broadcast_parameters`` and ``broadcast_optimizer_state`` hand it on).
+``broadcast_parameters`` and ``broadcast_optimizer_state`` hand it on); the MNIST
+example also as ``python pytorch_mnist.py --num-proc N`` (no launcher: it starts
+its ranks through ``horovod.run``, here ``commwire.run``), over MPI and with
+``--communication gloo``.
 
 ``--process-sets`` adds Horovod's two tests of ``hvd.init(process_sets=...)``,
 test/parallel/test_process_sets_static.py and test_process_sets_multi_comm.py
@@ -175,7 +178,8 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
     runs = {
         "pytorch_synthetic_benchmark.py": (["--no-cuda", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
                                             "--num-iters", "3", "--batch-size", "8"], flags),
-        "pytorch_mnist.py": (["--no-cuda", "--epochs", "1", "--data-dir", str(work / "data")], flags),
+        "pytorch_mnist.py": (["--no-cuda", "--epochs", "1", "--data-dir", str(work / "data")],
+                             flags + [f"--num-proc {n}", f"--num-proc {n} --communication gloo"]),
         # each run writes its own checkpoints; the last resumes the plain run's (its epoch 1) for epoch 2
         "pytorch_imagenet_resnet50.py": (["--no-cuda", "--batch-size", "16", "--val-batch-size", "16",
                                           "--train-dir", str(work / "imagenet" / "train"),
@@ -193,8 +197,10 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
                 args += ([] if flag == "--epochs 2" else ["--epochs", "1"]) + [
                     "--log-dir", str(run_dir / "logs"), "--checkpoint-format", str(run_dir / "ckpt-{epoch}.pth.tar")]
             start = time.monotonic()
+            # --num-proc: the example starts its own ranks (horovod.run); otherwise mpiexec starts them
+            launcher = [] if flag.startswith("--num-proc") else [mpiexec(), "-n", str(n)]
             try:
-                proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, str(path), *args], cwd=work, env=env,
+                proc = subprocess.run([*launcher, sys.executable, str(path), *args], cwd=work, env=env,
                                       capture_output=True, text=True, timeout=timeout)
                 lines = (proc.stdout + proc.stderr).replace("\r", "\n").strip().splitlines()
                 # one line per test-set report, throughput figure and (the last render of) finished progress bar
