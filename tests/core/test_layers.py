@@ -49,6 +49,7 @@ LAYERS = {
     # tools: the launcher, the rank wrapper, the emulated cluster, diagnostics
     "commwire.launch": 5,
     "commwire._rankmain": 5,
+    "commwire.runfunc": 5,
     "commwire.lab": 5,
     "commwire.info": 5,
     # benchmarks a user runs on their cluster, beside the stack
