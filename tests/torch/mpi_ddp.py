@@ -9,6 +9,7 @@ codec the loss must fall as plain DDP's does, within the FP8 error bound.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any
 
@@ -79,26 +80,37 @@ def test_codec_none_equals_plain_ddp(bucket_cap_mb, transport):
     assert state.steps == 20 and state.bytes_sent == state.input_bytes > 0
 
 
+def _weights_after(codec: str | None, steps: int, transport: str = "torch", join: bool = False,
+                   **ddp_options: Any) -> torch.Tensor:
+    """Train with plain DDP (codec None) or the hook, one bucket per parameter; return the flat weights."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.001, **ddp_options)
+    if codec is not None:
+        ddp.register_comm_hook(*hvd.ddp_hook(codec, model=ddp, transport=transport))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with ddp.join() if join else contextlib.nullcontext():
+        for step in range(steps):
+            x, y = _batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("option", ["gradient_as_bucket_view", "static_graph", "find_unused_parameters"])
+def test_codec_none_equals_plain_ddp_under_ddps_options(option):
+    plain, ours = _weights_after(None, 5, **{option: True}), _weights_after("none", 5, **{option: True})
+    assert not torch.equal(plain, _weights_after(None, 0))  # it trained
+    torch.testing.assert_close(ours, plain, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("transport", ["torch", "mpi"])
 def test_uneven_inputs_under_ddps_join_equal_plain_ddp(transport):
     # Rank r trains 3 + 2r batches inside DDP's join(); the ranks that ran out shadow the others'
     # all-reduces through the registered hook, with zero gradients.
-    def train(codec: str | None) -> torch.Tensor:
-        model = _model()
-        ddp = DDP(model, bucket_cap_mb=0.001)
-        if codec is not None:
-            ddp.register_comm_hook(*hvd.ddp_hook(codec, model=ddp, transport=transport))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        with ddp.join():
-            for step in range(3 + 2 * R):
-                x, y = _batch(step)
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
-        return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-    plain, ours = train(None), train("none")
-    assert not torch.equal(plain, torch.cat([p.detach().flatten() for p in _model().parameters()]))  # it trained
+    plain = _weights_after(None, 3 + 2 * R, join=True)
+    ours = _weights_after("none", 3 + 2 * R, transport=transport, join=True)
+    assert not torch.equal(plain, _weights_after(None, 0))  # it trained
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-7)
 
 
