@@ -54,8 +54,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         warnings.warn("network_interface is deprecated, use network_interfaces instead", DeprecationWarning,
                       stacklevel=2)
         network_interfaces = network_interface.split(",")
-    for old, new in (("np", "num_proc"), ("min_np", "min_num_proc"), ("max_np", "max_num_proc")):
-        if locals()[old] is not None:
+    for old, given, new in (("np", np, "num_proc"), ("min_np", min_np, "min_num_proc"),
+                            ("max_np", max_np, "max_num_proc")):
+        if given is not None:
             warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, stacklevel=2)
     num_proc = np if np is not None else num_proc
     min_num_proc = min_np if min_np is not None else min_num_proc

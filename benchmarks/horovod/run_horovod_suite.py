@@ -64,6 +64,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "torchvision_standin"
 SUITE = "test/parallel/test_torch.py"
+IMPORT_EDIT = (r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")
 PROCESS_SET_TESTS = ("test/parallel/test_process_sets_static.py", "test/parallel/test_process_sets_multi_comm.py")
 COMMON = "test/utils/common.py"
 EXAMPLES = ("examples/pytorch/pytorch_synthetic_benchmark.py", "examples/pytorch/pytorch_mnist.py",
@@ -99,14 +100,15 @@ def prepare(horovod: Path, work: Path) -> Path:
     (work / "parallel").mkdir(parents=True)
     (work / "utils").mkdir()
     suite = edit(read(horovod, SUITE), [
-        (r"^import horovod\.torch as hvd$", "import commwire.torch as hvd"),
+        IMPORT_EDIT,
         (r"subclass != torch\.optim\.SparseAdam$", "subclass != torch.optim.SparseAdam and subclass.__name__ != 'Muon'"),
     ], SUITE)
     common = edit(read(horovod, COMMON), [(r"^from horovod\.runner\.util\.threads import in_thread$", "")], COMMON)
     (work / "parallel" / "test_torch.py").write_text(suite)
     for rel in PROCESS_SET_TESTS:
         text = edit(read(horovod, rel), [
-            (r"^import horovod\.tensorflow as hvd$", "import commwire.torch as hvd\nfrom commwire.torch import process_sets"),
+            (r"^import horovod\.tensorflow as hvd$",
+             "import commwire.torch as hvd\nfrom commwire.torch import process_sets"),
             (r"hvd\.mpi_ops\._basics\._get_process_set_ids_and_ranks\(\)", "process_sets.registered()"),
         ], rel)
         (work / "parallel" / Path(rel).name).write_text(text)
@@ -161,13 +163,23 @@ def junit_counts(path: Path) -> dict:
     return counts
 
 
+def _example_env(images: int) -> dict[str, str]:
+    """Return the examples' environment: the torchvision stand-in first on the path, its data set sizes."""
+    return {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512",
+            "COMMWIRE_STANDIN_IMAGEFOLDER": str(images)}
+
+
+def _imagenet_outputs(run_dir: Path) -> list[str]:
+    """Return the ImageNet examples' flags that put their TensorBoard log and checkpoints in ``run_dir``."""
+    return ["--log-dir", str(run_dir / "logs"), "--checkpoint-format", str(run_dir / "ckpt-{epoch}.pth.tar")]
+
+
 def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]:
     """Run Horovod's PyTorch examples with only the import changed; return one row per run."""
     rows = []
-    edits = [(r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")]
-    env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512",
-           "COMMWIRE_STANDIN_IMAGEFOLDER": "256"}
+    edits = [IMPORT_EDIT]
+    env = _example_env(images=256)
     scripts = {}
     for rel in EXAMPLES:
         extra = [(r"^import horovod$", "import commwire as horovod")] if rel.endswith("mnist.py") else []
@@ -194,8 +206,7 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
             if path.name == "pytorch_imagenet_resnet50.py":
                 run_dir = work / "imagenet" / (flag.replace("-", "").replace(" ", "") if flag != "--epochs 2" else "")
                 run_dir.mkdir(parents=True, exist_ok=True)
-                args += ([] if flag == "--epochs 2" else ["--epochs", "1"]) + [
-                    "--log-dir", str(run_dir / "logs"), "--checkpoint-format", str(run_dir / "ckpt-{epoch}.pth.tar")]
+                args += ([] if flag == "--epochs 2" else ["--epochs", "1"]) + _imagenet_outputs(run_dir)
             start = time.monotonic()
             # --num-proc: the example starts its own ranks (horovod.run); otherwise mpiexec starts them
             launcher = [] if flag.startswith("--num-proc") else [mpiexec(), "-n", str(n)]
@@ -232,10 +243,8 @@ def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]
     (exit 0) and the second must have reset once.
     """
     rows = []
-    edits = [(r"^import horovod\.torch as hvd$", "import commwire.torch as hvd")]
-    env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "COMMWIRE_STANDIN_MNIST_TRAIN": "2048", "COMMWIRE_STANDIN_MNIST_TEST": "512",
-           "COMMWIRE_STANDIN_IMAGEFOLDER": "1024"}
+    edits = [IMPORT_EDIT]
+    env = _example_env(images=1024)
     tests = work / Path(ELASTIC_TESTS).name
     tests.write_text(edit(read(horovod, ELASTIC_TESTS), edits, ELASTIC_TESTS))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], cwd=work,
@@ -261,8 +270,7 @@ def run_elastic(horovod: Path, work: Path, n: int, timeout: float) -> list[dict]
         for kill in (False, True):
             args = list(runs[path.name])
             if "imagenet" in path.name:  # a fresh directory per run: a checkpoint left behind would be resumed
-                run_dir = work / "imagenet" / ("killed" if kill else "undisturbed")
-                args += ["--log-dir", str(run_dir / "logs"), "--checkpoint-format", str(run_dir / "ckpt-{epoch}.pth.tar")]
+                args += _imagenet_outputs(work / "imagenet" / ("killed" if kill else "undisturbed"))
             cmd = [sys.executable, "-m", "commwire", "run", "-np", str(n), "--min-np", "1", "--max-np", str(n),
                    "-H", f"localhost:{n}", sys.executable, str(path), *args]
             start = time.monotonic()

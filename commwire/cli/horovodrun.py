@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import click
 
-__all__ = ["KNOBS", "options", "environment", "launcher_args", "refused"]
+__all__ = ["KNOBS", "options", "environment", "interfaces", "launcher_args", "refused"]
 
 # (option declarations, parameter, variable, click type or "flag", help): horovodrun's knobs
 KNOBS: list[tuple[tuple[str, ...], str, str, Any, str]] = [
@@ -84,11 +84,6 @@ _OTHERS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--disable-cache",), {"is_flag": True, "help": "no effect: nothing is cached"}),
     (("--config-file",), {"type": click.Path(dir_okay=False), "help": "refused: pass the options themselves"}),
 ]
-
-NAMES = [param for _, param, _, _, _ in KNOBS] + [
-    "nics", "ssh_port", "ssh_identity_file", "use_gloo", "use_mpi", "use_jsrun", "tcp_flag", "binding_args",
-    "prefix_timestamp", "disable_cache", "config_file"]
-
 
 def options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Add horovodrun's options (grouped at the end of ``commwire run --help``) to a click command."""

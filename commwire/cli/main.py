@@ -202,8 +202,7 @@ def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[
 
     def start(used: list[tuple[str, int]], np_: int, elastic_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         job_env = {**env, **elastic_env}
-        here = launcher_kind != "slurm" and not os.environ.get("SLURM_JOB_ID") and launch.hosts_are_local(used)
-        if lab or here:  # torch's rendezvous (as for a job that is not elastic), a fresh port each (re)launch
+        if lab or _on_this_machine(launcher_kind, used):  # torch's rendezvous, a fresh port each (re)launch
             job_env = {**_rendezvous(lab, job_env), **job_env}
         if lab:
             from .. import lab as lab_mod
@@ -243,7 +242,7 @@ def _horovodrun_env(timeline: str | None, fusion_threshold_mb: int | None, cycle
 
 def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[str, str], *, hosts: str | None,
                  hostfile: str | None, launcher_kind: str | None, lab: bool, mpi_args: list[str],
-                 check_program: bool, hvd: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str], bool]:
+                 check_program: bool, hvd: dict[str, Any]) -> tuple[list[str], dict[str, str], bool]:
     """Return the launcher argv for ``cmd``, the environment to add, and whether every rank runs here.
 
     With ``check_program`` (and ranks on this machine), refuse a ``command``
@@ -255,7 +254,7 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
         raise ValueError("give either -H/--hosts or --hostfile, not both")
     pairs = launch.parse_hosts(hosts) if hosts else launch.parse_hostfile(hostfile) if hostfile else None
     # --lab hosts are namespaces of this machine: same files, same programs.
-    local = lab or (launcher_kind != "slurm" and not os.environ.get("SLURM_JOB_ID") and launch.hosts_are_local(pairs))
+    local = lab or _on_this_machine(launcher_kind, pairs)
     if local:
         env = {**_rendezvous(lab, env), **env}
     if lab:
@@ -264,13 +263,19 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
         prefix, lab_env = lab_mod.launch_args(np_, {**os.environ, **env})
         if local and check_program:
             launch.check_command(command, env=lab_env)
-        return prefix + horovodrun.launcher_args("mpich", hvd or {}) + mpi_args + cmd, {k: v for k, v in lab_env.items() if os.environ.get(k) != v}, local
+        argv = prefix + horovodrun.launcher_args("mpich", hvd) + mpi_args + cmd  # the lab launches with Hydra
+        return argv, {k: v for k, v in lab_env.items() if os.environ.get(k) != v}, local
     launcher = launch.find_launcher(launcher_kind)
     if local and check_program:  # a remote host may have what this one lacks: there, let the launcher say
         launch.check_command(command, env={**os.environ, **env})
-    mpi_args = horovodrun.launcher_args(launcher.kind, hvd or {}) + mpi_args
+    mpi_args = horovodrun.launcher_args(launcher.kind, hvd) + mpi_args
     argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env, mpi_args=mpi_args)
     return argv, env, local
+
+
+def _on_this_machine(launcher_kind: str | None, pairs: Sequence[tuple[str, int]] | None) -> bool:
+    """Return whether every rank of a job on hosts ``pairs`` (None: none given) runs on this machine."""
+    return launcher_kind != "slurm" and not os.environ.get("SLURM_JOB_ID") and launch.hosts_are_local(pairs)
 
 
 def _rendezvous(lab: bool, env: dict[str, str]) -> dict[str, str]:

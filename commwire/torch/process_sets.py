@@ -238,14 +238,14 @@ def _register(requested: list[ProcessSet], adding: bool = False) -> list[int]:
     # Agreed on the global process set's lane, where every Horovod collective runs: a rank still
     # inside another collective meets a mismatch error instead of a hang.
     everyone = _sets[0].comm.call(Communicator.allgather_object, mine, name="add_process_set")
-    problem = _disagreement(everyone, world.size, {tuple(e.ranks) for e in _sets.values()})
+    by_ranks = {tuple(e.ranks): set_id for set_id, e in _sets.items()}
+    problem = _disagreement(everyone, world.size, set(by_ranks))
     if problem:  # computed from what every rank received, so every rank raises alike
         raise ValueError(f"process sets must be registered on every rank with the same sets: {problem}")
     groups: list[tuple[int, ...]] = []
     for i in range(len(mine[0])):
         groups += sorted({tuple(comms[i]) for comms, _ in everyone})
     groups += [tuple(ranks) for ranks in mine[1]]
-    by_ranks = {tuple(e.ranks): set_id for set_id, e in _sets.items()}
     if adding:
         known = [g for g in groups if g in by_ranks]
         if known:  # the registry is the same on every rank: every rank raises alike
