@@ -7,7 +7,8 @@ import time
 from collections.abc import Generator
 from typing import Any, Callable
 
-__all__ = ["Handle", "Done", "Pending", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP"]
+__all__ = ["Handle", "Done", "Pending", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP",
+           "testall", "waitall"]
 
 _local = threading.local()
 
@@ -41,6 +42,46 @@ against 1.12-1.14x with 100 us (3 jobs each, alternated), and 1.04-1.08x with th
 0.54-0.58x DDP's step with 300 us, 0.52-0.54x with 100 us; 3 jobs each, one seed)."""
 
 
+def testall(requests: list[Any], statuses: list[Any] | None = None) -> bool:
+    """MPI_Testall that raises the failed request's own error, not MPI_ERR_IN_STATUS.
+
+    A fault-tolerant MPI reports a lost peer (ERR_PROC_FAILED, ERR_REVOKED) in the
+    status of the request that failed; the error class of the call itself is only
+    ERR_IN_STATUS, which would hide the peer loss from ``commwire.elastic``.
+    ``statuses``: one ``MPI.Status`` per request, to reuse across tests.
+    """
+    from mpi4py import MPI
+
+    statuses = [MPI.Status() for _ in requests] if statuses is None else statuses
+    try:
+        return bool(MPI.Request.Testall(requests, statuses))
+    except MPI.Exception as exc:
+        raise _in_status(exc, statuses) from exc
+
+
+def waitall(requests: list[Any]) -> None:
+    """MPI_Waitall that raises the failed request's own error, not MPI_ERR_IN_STATUS (see ``testall``)."""
+    from mpi4py import MPI
+
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        MPI.Request.Waitall(requests, statuses)
+    except MPI.Exception as exc:
+        raise _in_status(exc, statuses) from exc
+
+
+def _in_status(exc: Any, statuses: list[Any]) -> Any:
+    from mpi4py import MPI
+
+    if exc.Get_error_class() != MPI.ERR_IN_STATUS:
+        return exc
+    for status in statuses:
+        code = status.Get_error()
+        if code not in (MPI.SUCCESS, MPI.ERR_PENDING):
+            return MPI.Exception(code)
+    return exc
+
+
 def wait_requests(requests: list[Any], nap: float = _NAP) -> None:
     """Wait for MPI requests; on a lane thread, poll and yield the CPU between tests.
 
@@ -49,10 +90,8 @@ def wait_requests(requests: list[Any], nap: float = _NAP) -> None:
     so a lane tests the requests and yields between tests instead, then
     naps between them (at most ``nap``) once the wait is a long one (see ``_NAP``).
     """
-    from mpi4py import MPI
-
     if not in_lane():
-        MPI.Request.Waitall(requests)
+        waitall(requests)
         return
     wait_yielding(requests, nap=nap)
 
@@ -68,8 +107,8 @@ def wait_yielding(requests: list[Any], spin: float = 0.0, nap: float = _NAP) -> 
     """
     from mpi4py import MPI
 
-    spins, start = 0, time.perf_counter()
-    while not MPI.Request.Testall(requests):
+    spins, start, statuses = 0, time.perf_counter(), [MPI.Status() for _ in requests]
+    while not testall(requests, statuses):
         waited = time.perf_counter() - start
         if waited < spin:
             continue
@@ -116,9 +155,7 @@ class Handle:
         """Return True once the operation has completed (makes MPI progress)."""
         if self._done:
             return True
-        from mpi4py import MPI
-
-        if MPI.Request.Testall(self._requests):
+        if testall(self._requests):
             self._complete()
             return True
         return False

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import ring as ring_mod
-from .handle import COLLECTIVE_NAP, drive, wait_requests
+from .handle import COLLECTIVE_NAP, drive, testall, wait_requests, waitall
 from .ring import ring_steps, uses_ring
 
 __all__ = ["Transport", "MPITransport", "TRANSPORTS", "spans_nodes"]
@@ -250,13 +250,13 @@ class MPITransport(Transport):
             mpi.Allreduce(self._in_place if send is None else send, recv, rop)
 
     def test(self, requests: list[Any]) -> bool:
-        return bool(self._MPI.Request.Testall(requests))
+        return testall(requests)
 
     def wait_collective(self, requests: list[Any]) -> None:
         if self.lane:
             _collective_wait(requests)
         else:
-            self._MPI.Request.Waitall(requests)
+            waitall(requests)
 
     def allreduce_small(self, buf: Any, rop: Any) -> None:
         # No ring test and no hand-off: at 8 bytes these calls cost as much as the Allreduce (~1.5 us).

@@ -132,6 +132,31 @@ def test_peer_loss_is_recognised_through_the_exception_chain():
     assert not is_peer_loss(ValueError("bad shape"))
 
 
+def test_a_request_that_failed_raises_its_own_error_not_err_in_status():
+    # MPI_Testall/Waitall report a failed request (a lost peer's ERR_PROC_FAILED under ULFM) only in its
+    # status; the call's own class, ERR_IN_STATUS, hid the loss from is_peer_loss and the job aborted.
+    from mpi4py import MPI
+    import numpy as np
+
+    from commwire.comm.handle import _in_status, testall, waitall
+
+    def spin(requests):
+        while not testall(requests):
+            pass
+
+    for wait in (waitall, spin):
+        big, small = np.arange(8, dtype=np.int32), np.zeros(4, np.int32)
+        requests = [MPI.COMM_SELF.Irecv(small, source=0, tag=5), MPI.COMM_SELF.Isend(big, dest=0, tag=5)]
+        with pytest.raises(MPI.Exception) as caught:
+            wait(requests)
+        assert caught.value.Get_error_class() == MPI.ERR_TRUNCATE, MPI.Get_error_string(caught.value.Get_error_class())
+        MPI.Request.Waitall(requests)  # what is left of them
+    lost = MPI.Status()
+    lost.Set_error(MPI.ERR_PROC_FAILED)
+    assert is_peer_loss(_in_status(MPI.Exception(MPI.ERR_IN_STATUS), [MPI.Status(), lost]))
+    assert not is_peer_loss(MPI.Exception(MPI.ERR_IN_STATUS))
+
+
 @pytest.mark.parametrize("opts, match", [
     (dict(min_np=4, max_np=2, hosts=[("a", 4)]), "--min-np 4 is larger than --max-np 2"),
     (dict(np=8, min_np=2, max_np=4, hosts=[("a", 4)]), "-np 8 is outside"),
