@@ -7,7 +7,7 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | variable | type | meaning |
 |---|---|---|
 | COMMWIRE_CHECK | 1/first/0 | verify ranks agree on shapes/dtypes/ops: before every collective (1), on the first call of each (operation, name) (first, the default), never (0) |
-| COMMWIRE_TIMELINE | path | write a Chrome-trace timeline of every operation to this file |
+| COMMWIRE_TIMELINE | path | write a Chrome-trace timeline of every operation to this file (rank 0's path counts; written as recorded, the other ranks' events in PATH.rank<r> until finalize merges them) |
 | COMMWIRE_THREAD_LEVEL | single/funneled/serialized/multiple | MPI thread level requested at init |
 | COMMWIRE_CUDA_AWARE | auto/0/1 | pass device pointers straight to MPI (auto = detect) |
 | COMMWIRE_RUN | bool | set by ``commwire run``: install the abort-on-exception hook at import |

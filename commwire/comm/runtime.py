@@ -21,6 +21,7 @@ from .rankenv import lone_start
 from .transport import TRANSPORTS, MPITransport
 from .stats import Counters
 from .timeline import Timeline
+from .timeline import flush_all as flush_timelines
 
 __all__ = [
     "init",
@@ -51,6 +52,7 @@ _world: Communicator | None = None
 _counters = Counters()
 _thread_level: str | None = None
 _lock = threading.Lock()
+_resets = 0  # how often commwire.elastic re-formed this process's world in place (names the timeline files)
 
 
 def init(
@@ -118,7 +120,6 @@ def init(
             level = _config.env_choice("COMMWIRE_CHECK", ("0", "off", "false", "first", "1", "full", "true"), "first")
             check = {"0": False, "off": False, "false": False, "first": "first"}.get(level, True)
         path = timeline if timeline is not None else _config.env_str("COMMWIRE_TIMELINE")
-        recorder = Timeline(path, mpi_comm.Get_rank()) if path else None
         if cuda_aware is None:
             cuda_aware = _detect_cuda_aware()
         timeout = _config.env_float("COMMWIRE_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else float(timeout)
@@ -131,7 +132,13 @@ def init(
 
             watchdog = Watchdog(mpi_comm, timeout=timeout, action=on_stall)
         transport = transport or _config.env_choice("COMMWIRE_TRANSPORT", TRANSPORTS, "mpi")
-        data = _make_transport(mpi_comm, transport, bool(cuda_aware))
+        try:
+            data = _make_transport(mpi_comm, transport, bool(cuda_aware))
+            recorder = open_timeline(mpi_comm, reset_path(path, _resets) if path and _resets else path)
+        except BaseException:
+            if watchdog is not None:
+                watchdog.close()
+            raise
         _world = Communicator(mpi_comm, transport=data, counters=_counters, check=check, timeline=recorder,
                               cuda_aware=cuda_aware, watchdog=watchdog)
         # Derived communicators are made collectively: made later, on first use, ranks that
@@ -266,9 +273,7 @@ def finalize() -> None:
     if world_comm is None:
         return
     if world_comm.timeline is not None:
-        per_rank = world_comm.mpi.gather(world_comm.timeline.events, root=0)
-        if world_comm.rank == 0:
-            world_comm.timeline.write(per_rank)
+        world_comm.timeline.collect(world_comm.mpi)
     if world_comm.watchdog is not None:
         world_comm.watchdog.announce_exit()
         world_comm.watchdog.close()
@@ -282,12 +287,15 @@ def replace_world(mpi_comm: Any) -> Communicator:
     broken, so nothing collective runs on them (no timeline gather, no exit
     announcement); they are dropped. Collective over ``mpi_comm``.
     """
-    global _world
+    global _world, _resets
     with _lock:
         old, _world = _world, None
         settings = dict(_settings)
+        _resets += 1
     if old is not None and old.watchdog is not None:
         old.watchdog.close()
+    if old is not None and old.timeline is not None:
+        old.timeline.close()  # its files stay as written; the new world's timeline goes to reset_path()
     return init(comm=mpi_comm, check=old.check if old is not None else None, timeline=settings.get("timeline"),
                 cuda_aware=settings.get("cuda_aware"), timeout=settings.get("timeout"),
                 on_stall=settings.get("on_stall"), transport=settings.get("transport"))
@@ -301,11 +309,16 @@ def _finalize_at_exit() -> None:
 
 
 def start_timeline(path: str) -> None:
-    """Start recording a Chrome-trace timeline of every communicator to ``path`` (call on every rank)."""
+    """Start recording a Chrome-trace timeline of every communicator to ``path`` (call on every rank).
+
+    A timeline already being recorded is completed first (its file written, as by ``stop_timeline()``).
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"timeline path {path!r} must be a str or os.PathLike")
     comm = world()
-    recorder = Timeline(os.fspath(path), comm.rank)
+    if comm.timeline is not None:  # as Horovod does, the new file takes over from the one being recorded
+        stop_timeline()
+    recorder = open_timeline(comm.mpi, os.fspath(path))
     from .communicator import live_communicators
 
     for c in live_communicators(comm.counters):
@@ -313,17 +326,46 @@ def start_timeline(path: str) -> None:
 
 
 def stop_timeline() -> None:
-    """Stop the timeline and write it (collective: rank 0 writes every rank's events)."""
+    """Stop the timeline and write it (collective: rank 0 writes every rank's events); no timeline: nothing."""
     comm = world()
     recorder = comm.timeline
     from .communicator import live_communicators
 
     for c in live_communicators(comm.counters):
         c.timeline = None
-    events = recorder.events if recorder is not None else []
-    per_rank = comm.mpi.gather(events, root=0)
-    if comm.rank == 0 and recorder is not None:
-        recorder.write(per_rank)
+    if recorder is not None:
+        recorder.collect(comm.mpi)
+
+
+def open_timeline(mpi_comm: Any, path: str | None) -> Timeline | None:
+    """Start a timeline on every rank of ``mpi_comm`` if rank 0 has a path; return this rank's recorder.
+
+    Collective. Rank 0's path names the timeline, as Horovod's HOROVOD_TIMELINE does; a
+    rank without a path of its own writes its part beside rank 0's. A rank that cannot
+    create its file raises on every rank, naming it.
+    """
+    first = mpi_comm.bcast(os.fspath(path) if path else None, root=0)
+    if first is None:
+        return None
+    mine = os.fspath(path) if path else first
+    recorder, error = None, None
+    try:
+        recorder = Timeline(mine, mpi_comm.Get_rank())
+    except OSError as exc:
+        error = str(exc)
+    errors = mpi_comm.allgather(error)
+    if any(errors):
+        if recorder is not None:
+            recorder.discard()
+        found = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        raise OSError(f"the timeline could not be started ({found})")
+    return recorder
+
+
+def reset_path(path: str, resets: int) -> str:
+    """Return where the timeline goes after the world was re-formed ``resets`` times (trace.json -> trace.reset1.json)."""
+    root, ext = os.path.splitext(os.fspath(path))
+    return f"{root}.reset{resets}{ext}"
 
 
 def transport() -> str:
@@ -511,6 +553,10 @@ def abort_world(code: int, grace: float = 5.0) -> None:
     from mpi4py import MPI
 
     threading.Timer(grace, os._exit, (code,)).start()
+    try:
+        flush_timelines()  # what led here is on disk before the launcher kills the job
+    except Exception:  # noqa: BLE001 - aborting regardless
+        pass
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)

@@ -1,29 +1,89 @@
 """Record a Chrome-trace timeline (opens in Perfetto or chrome://tracing).
 
-Each rank buffers complete events ("ph": "X") with microsecond timestamps on a
-shared clock origin; at finalize the events are gathered to rank 0, which
-writes one JSON file with one track (pid) per rank, as Horovod's timeline does.
+Each rank streams complete events ("ph": "X", microsecond timestamps on a
+shared clock origin) to a file as they happen, so memory stays flat however
+long the job runs and a job that crashes or hangs leaves its timeline on
+disk. Rank 0 writes the timeline's own path; rank r > 0 writes
+``PATH.rank<r>`` beside it. The files are in Chrome's JSON array format,
+whose closing bracket is optional: each opens in Perfetto while the job
+runs, up to its last tenth of a second (``FLUSH_INTERVAL``); an aborting
+rank writes all it has first. At ``finalize()`` (or ``stop_timeline()``)
+the other ranks' events are sent to rank 0, which appends them as one track
+(pid) per rank, as Horovod's timeline does, closes the array, and the
+per-rank files are removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
+import warnings
+import weakref
 from typing import Any
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "part_path", "flush_all"]
+
+FLUSH_INTERVAL = 0.1
+"""Seconds an event may wait in memory before it is written out (the flusher thread's period)."""
+_CHUNK = 8 << 20  # bytes per message when a rank hands its events to rank 0
+_TAG = 7711
+_open: weakref.WeakSet[Timeline] = weakref.WeakSet()
+
+
+def part_path(path: str, rank: int) -> str:
+    """Return the file rank ``rank`` streams its events to (rank 0: ``path`` itself)."""
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def flush_all() -> None:
+    """Write out every open timeline's buffered events (before an abort)."""
+    for recorder in list(_open):
+        recorder.flush()
 
 
 class Timeline:
-    """Buffer trace events for one rank and write them as Chrome-trace JSON."""
+    """Stream one rank's trace events to its file.
+
+    Args:
+        path: the timeline's path (rank 0's file; the others write ``part_path(path, rank)``).
+        rank: this process's rank, the event track (pid) it writes.
+
+    Raises:
+        OSError: the file cannot be created (the message names it).
+    """
 
     def __init__(self, path: str, rank: int) -> None:
         self.path = os.fspath(path)
         self.rank = rank
-        self.events: list[dict[str, Any]] = []
+        self.file = part_path(self.path, rank)
         self._lock = threading.Lock()
+        self._dirty = False
+        self._failed = False
+        self._fh = self._create()
+        self._write(json.dumps({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}),
+                    first=True)
+        self.flush()  # the file opens as a (still empty) timeline from the start
+        self._stop = threading.Event()
+        threading.Thread(target=self._flusher, name=f"commwire-timeline-{rank}", daemon=True).start()
+        _open.add(self)
+
+    def _create(self) -> Any:
+        directory = os.path.dirname(os.path.abspath(self.file))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            return open(self.file, "w", encoding="utf-8")
+        except OSError as exc:
+            if self.rank == 0:
+                raise OSError(f"cannot write the timeline {self.file!r}: {exc}; pass a path in a writable "
+                              f"directory (timeline=, COMMWIRE_TIMELINE or HOROVOD_TIMELINE)") from exc
+        # Another rank whose host cannot write beside rank 0's path keeps its part in its temp directory.
+        fd, self.file = tempfile.mkstemp(prefix=f"commwire-timeline-rank{self.rank}-", suffix=".json")
+        warnings.warn(f"commwire timeline: rank {self.rank} cannot write {part_path(self.path, self.rank)!r}; "
+                      f"its events go to {self.file!r} until the timeline is collected", stacklevel=4)
+        return os.fdopen(fd, "w", encoding="utf-8")
 
     def add(self, name: str, start: float, end: float, **args: Any) -> None:
         """Record one phase that ran from ``start`` to ``end`` (perf_counter seconds)."""
@@ -36,20 +96,117 @@ class Timeline:
             "dur": max(end - start, 0.0) * 1e6,
             "args": args,
         }
+        text = json.dumps(event, separators=(",", ":"), default=str)
         with self._lock:
-            self.events.append(event)
+            self._write(text)
 
-    def write(self, per_rank: list[list[dict[str, Any]]]) -> None:
-        """Write all ranks' events to ``self.path`` (called on rank 0)."""
-        meta = [
-            {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
-            for r in range(len(per_rank))
-        ]
-        events = meta + [e for rank_events in per_rank for e in rank_events]
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        with open(self.path, "w", encoding="utf-8") as fh:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+    def _write(self, text: str, first: bool = False) -> None:
+        # Called with the lock held (or before the flusher exists).
+        if self._fh is None:
+            return
+        try:
+            self._fh.write(("[\n" if first else ",\n") + text)
+            self._dirty = True
+        except (OSError, ValueError) as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: BaseException) -> None:
+        if not self._failed:
+            self._failed = True
+            warnings.warn(f"commwire timeline: writing {self.file!r} failed ({exc}); no more events are "
+                          f"recorded on rank {self.rank}", stacklevel=4)
+        try:
+            self._fh.close()
+        except (OSError, ValueError):
+            pass
+        self._fh = None
+
+    def flush(self) -> None:
+        """Write out the events buffered so far."""
+        with self._lock:
+            if self._fh is not None and self._dirty:
+                try:
+                    self._fh.flush()
+                    self._dirty = False
+                except (OSError, ValueError) as exc:
+                    self._give_up(exc)
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL):
+            self.flush()
+
+    def close(self) -> None:
+        """Stop recording and close the file as it is (no other rank's events; nothing removed)."""
+        self._stop.set()
+        with self._lock:
+            fh, self._fh = self._fh, None
+            if fh is not None:
+                try:
+                    if self.rank == 0:
+                        fh.write("\n]\n")
+                    fh.close()
+                except (OSError, ValueError):
+                    pass
+        _open.discard(self)
+
+    def discard(self) -> None:
+        """Stop recording and remove this rank's file (a timeline that never started on every rank)."""
+        self.close()
+        try:
+            os.remove(self.file)
+        except OSError:
+            pass
+
+    def collect(self, mpi_comm: Any) -> None:
+        """Merge every rank's events into rank 0's file and close the timeline (collective over ``mpi_comm``).
+
+        Every rank's part goes to rank 0 in chunks of 8 MiB, so neither side
+        holds a whole timeline in memory; the per-rank files are removed.
+        """
+        self._stop.set()
+        with self._lock:
+            fh, self._fh = self._fh, None
+        _open.discard(self)
+        collect_parts(mpi_comm, self, fh)
+
+
+def collect_parts(mpi_comm: Any, recorder: Timeline | None, fh: Any) -> None:
+    """Send this rank's part (``recorder``'s, if any) to rank 0, which appends them all to its open ``fh``."""
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    if rank != 0:
+        try:
+            if fh is not None:
+                fh.close()
+                _send_part(mpi_comm, recorder.file)
+        finally:
+            mpi_comm.send(b"", dest=0, tag=_TAG)
+        return
+    try:
+        for source in range(1, size):
+            while chunk := mpi_comm.recv(source=source, tag=_TAG):
+                if fh is not None:
+                    fh.write(chunk.decode("ascii"))  # json.dumps escapes non-ASCII
+        if fh is not None:
+            fh.write("\n]\n")
+    finally:
+        if fh is not None:
+            fh.close()
+
+
+def _send_part(mpi_comm: Any, file: str) -> None:
+    try:
+        with open(file, "rb") as part:
+            head = part.read(2)  # the opening "[\n"; rank 0's file holds the array's only one
+            if head != b"[\n":
+                raise OSError(f"{file!r} does not start a timeline")
+            prefix, chunk = b",\n", part.read(_CHUNK)
+            while chunk:
+                mpi_comm.send(prefix + chunk, dest=0, tag=_TAG)
+                prefix, chunk = b"", part.read(_CHUNK)
+        os.remove(file)
+    except OSError as exc:
+        warnings.warn(f"commwire timeline: rank {mpi_comm.Get_rank()}'s events in {file!r} could not be "
+                      f"handed to rank 0 ({exc}); they are not in the timeline", stacklevel=3)
 
 
 # perf_counter has an arbitrary origin per process; anchor it to wall time so the

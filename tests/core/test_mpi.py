@@ -71,19 +71,6 @@ def test_failing_rank_without_commwire_import_still_aborts(tmp_path):
     assert "rank 1 of 2" in proc.stderr and "SystemExit(3)" in proc.stderr
 
 
-def test_timeline_has_one_track_per_rank(tmp_path):
-    path = tmp_path / "trace.json"
-    code = ("import commwire as cw, numpy as np; cw.init(); "
-            "[cw.allreduce(np.ones(8), name='grad') for _ in range(3)]; cw.allgather(np.ones(2)); cw.finalize()")
-    proc = _commwire("run", "-np", "2", "--timeline", str(path), sys.executable, "-c", code)
-    assert proc.returncode == 0, proc.stderr
-    trace = json.loads(path.read_text())
-    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert {e["pid"] for e in events} == {0, 1}
-    assert sum(e["name"] == "grad" for e in events) == 6
-    assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in events)
-
-
 def test_check_env_flag_reports_mismatch(tmp_path):
     script = tmp_path / "mismatch.py"
     script.write_text(
