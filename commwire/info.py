@@ -153,7 +153,8 @@ def _launcher_check() -> Check:
                      "pip install 'commwire[mpich]' (brings mpiexec), or put your MPI's bin directory on PATH")
     kinds = {"MPICH": "mpich", "Intel MPI": "intel", "Open MPI": "openmpi"}
     expected = kinds.get(vendor)
-    found = f"{launcher.kind} at {launcher.path}; mpi4py runs on {vendor}"
+    plugin = f" (commwire run passes --mpi={launcher.mpi_plugin})" if launcher.mpi_plugin else ""
+    found = f"{launcher.kind} at {launcher.path}{plugin}; mpi4py runs on {vendor}"
     if launcher.kind != "slurm" and expected is not None and launcher.kind != expected:
         return Check("launcher", "problem", found + " (a different MPI: every rank would start alone)",
                      f"use the mpiexec of {vendor} (the one next to the Python that has mpi4py), or rebuild "

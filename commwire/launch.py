@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ._validate import positive_int
+from .comm.rankenv import SLURM_MPI_PLUGINS, slurm_mpi_type
 
 __all__ = ["Launcher", "LAUNCHER_KINDS", "find_launcher", "build_command", "parse_hosts", "parse_hostfile",
-           "hosts_are_local", "check_command", "wrap_python", "wrap_program"]
+           "hosts_are_local", "check_command", "wrap_python", "wrap_program", "slurm_mpi_plugin", "mpi4py_vendor",
+           "srun_mpi_plugins"]
 
 LAUNCHER_KINDS = ("mpich", "intel", "openmpi", "slurm")
 _NO_LAUNCHER = (
@@ -38,6 +40,10 @@ class Launcher:
 
     kind: str
     path: str
+    mpi_plugin: str | None = None
+    """srun only: the ``--mpi`` plugin that starts mpi4py's MPI as one job (None: srun's default)."""
+    mpi_plugins_offered: tuple[str, ...] = ()
+    """srun only: the plugins ``srun --mpi=list`` names (empty: not known)."""
 
 
 def _vendor(path: str) -> str | None:
@@ -62,7 +68,9 @@ def find_launcher(kind: str | None = None) -> Launcher:
     if kind in (None, "slurm") and os.environ.get("SLURM_JOB_ID"):
         srun = shutil.which("srun")
         if srun:
-            return Launcher(kind="slurm", path=srun)
+            plugin = slurm_mpi_plugin()
+            return Launcher(kind="slurm", path=srun, mpi_plugin=plugin,
+                            mpi_plugins_offered=tuple(srun_mpi_plugins(srun)) if plugin else ())
     if kind == "slurm":
         raise RuntimeError("--launcher slurm needs srun inside a Slurm allocation (SLURM_JOB_ID is unset)")
     local_bin = os.path.join(sys.prefix, "bin")
@@ -75,6 +83,42 @@ def find_launcher(kind: str | None = None) -> Launcher:
         if vendor is not None and (kind is None or vendor == kind):
             return Launcher(kind=vendor, path=path)
     raise RuntimeError(_NO_LAUNCHER.format(where=f"{local_bin} and PATH"))
+
+
+def slurm_mpi_plugin(vendor: str | None = None) -> str | None:
+    """Return the ``srun --mpi`` plugin mpi4py's MPI needs (MPICH: pmi2, Open MPI: pmix).
+
+    None where SLURM_MPI_TYPE already chooses one, or the MPI is not known. Without
+    a plugin the MPI understands, srun starts every rank as a world of its own.
+    """
+    if slurm_mpi_type():
+        return None
+    return SLURM_MPI_PLUGINS.get((vendor if vendor is not None else mpi4py_vendor()) or "")
+
+
+def mpi4py_vendor() -> str | None:
+    """Return the vendor of the MPI mpi4py loads ("MPICH", "Open MPI", ...), without starting MPI here."""
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.get_vendor()[0])"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def srun_mpi_plugins(srun: str) -> list[str]:
+    """Return the MPI plugins ``srun --mpi=list`` names (pmi2, pmix, pmix_v4, ...); [] if it cannot tell."""
+    try:
+        proc = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    names = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if line[:1].isspace() and re.fullmatch(r"[A-Za-z0-9_]+", line.strip()):
+            names.append(line.strip())
+        elif "plugin versions available:" in line:
+            names += [n.strip() for n in line.split(":", 1)[1].split(",") if n.strip()]
+    return names
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -243,6 +287,14 @@ def build_command(
     argv = [launcher.path]
     if launcher.kind == "slurm":
         argv += ["-n", str(np), "--export=" + ",".join(["ALL"] + [f"{k}={v}" for k, v in env.items()])]
+        needed, offered = launcher.mpi_plugin, launcher.mpi_plugins_offered
+        if needed and not any(a == "--mpi" or a.startswith("--mpi=") for a in mpi_args or []):
+            if offered and not any(p == needed or p.startswith(needed + "_") for p in offered):
+                raise ValueError(f"srun offers the MPI plugins {', '.join(offered)}, not {needed}, which mpi4py's MPI "
+                                 f"needs to start the ranks as one job; pass a plugin that works for this MPI with "
+                                 f"--mpi-args=--mpi=NAME (or set SLURM_MPI_TYPE), or ask the cluster's admins for "
+                                 f"{needed}")
+            argv.append(f"--mpi={needed}")
         if host_pairs:
             argv.append("--nodelist=" + ",".join(h for h, _ in host_pairs))
     elif launcher.kind == "openmpi":

@@ -13,7 +13,7 @@
 
 set -euo pipefail
 cd "${PBS_O_WORKDIR:-.}"
-source "${COMMWIRE_VENV:-$HOME/.venvs/commwire}/bin/activate"
+source "${VENV_DIR:-$HOME/.venvs/commwire}/bin/activate"
 
 NP=$(wc -l < "$PBS_NODEFILE")
 commwire info

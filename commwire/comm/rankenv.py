@@ -12,20 +12,25 @@ every value is read from the first variable in its list that holds a number.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["LAUNCHER_VARIABLES", "LauncherRanks", "launcher_ranks", "torch_variables", "LoneStart", "lone_start",
-           "host_id"]
+__all__ = ["LAUNCHER_VARIABLES", "SLURM_MPI_PLUGINS", "LauncherRanks", "launcher_ranks", "torch_variables",
+           "LoneStart", "lone_start", "host_id", "slurm_mpi_type"]
 
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     # MPICH/Intel MPI (Hydra, PMI), Open MPI, Slurm (srun), PMIx (Open MPI 5, srun --mpi=pmix)
     "rank": ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"),
     "size": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"),
     "local_rank": ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
-    "local_size": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"),
+    "local_size": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                   "SLURM_STEP_TASKS_PER_NODE"),
 }
 """For each value, the launchers' variables that carry it, in the order they are tried."""
+
+SLURM_MPI_PLUGINS = {"MPICH": "pmi2", "Intel MPI": "pmi2", "Open MPI": "pmix"}
+"""The ``srun --mpi`` plugin that starts the ranks of each MPI (mpi4py's vendor name) as one job."""
 
 
 class LauncherRanks(NamedTuple):
@@ -37,12 +42,36 @@ class LauncherRanks(NamedTuple):
     local_size: int | None
 
 
+def slurm_mpi_type(environ: Mapping[str, str] | None = None) -> str | None:
+    """Return the ``srun --mpi`` plugin chosen through SLURM_MPI_TYPE, or None."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURM_MPI_TYPE") or None
+
+
 def _first_number(names: tuple[str, ...], environ: Mapping[str, str], least: int) -> int | None:
     for name in names:
-        # Slurm writes "4(x2)" for several nodes with the same count: the leading number is this node's.
-        digits = environ.get(name, "").split("(")[0].strip()
-        if digits.isdigit() and int(digits) >= least:
-            return int(digits)
+        value = environ.get(name, "")
+        number = _on_this_node(value, environ) if name.endswith("TASKS_PER_NODE") else (
+            int(value) if value.strip().isdigit() else None)
+        if number is not None and number >= least:
+            return number
+    return None
+
+
+def _on_this_node(value: str, environ: Mapping[str, str]) -> int | None:
+    """This node's count in Slurm's per-node list ("4(x2),3": 4 on the first two nodes, 3 on the third)."""
+    counts: list[int] = []
+    for part in value.split(","):
+        found = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if found is None:
+            return None
+        counts += [int(found[1])] * int(found[2] or 1)
+    if len(set(counts)) == 1:
+        return counts[0]
+    # SLURM_NODEID indexes the job's nodes; it indexes the step's list only when the step spans them all.
+    node, step_nodes = environ.get("SLURM_NODEID", ""), environ.get("SLURM_STEP_NUM_NODES")
+    if node.isdigit() and int(node) < len(counts) and step_nodes == environ.get("SLURM_JOB_NUM_NODES"):
+        return counts[int(node)]
     return None
 
 
@@ -89,7 +118,8 @@ class LoneStart(NamedTuple):
     """A process that MPI started alone although its launcher started it as one of several."""
 
     launcher: str
-    """Who started the others: ``"torchrun"``, ``"torch.distributed"``, or ``"mpiexec"`` (another MPI's)."""
+    """Who started the others: ``"torchrun"``, ``"torch.distributed"``, ``"srun"`` (with no MPI plugin this
+    MPI understands), or ``"mpiexec"`` (another MPI's)."""
     announced: str
     """What says so, e.g. ``"WORLD_SIZE=4"``."""
     size: int
@@ -106,8 +136,9 @@ def lone_start(mpi_size: int, environ: Mapping[str, str] | None = None,
     """Return who started this process as one of several while MPI gave it a world of ``mpi_size`` = 1.
 
     Such a process would run every collective alone: torchrun (or any launcher that sets
-    torch's ``WORLD_SIZE``) does not start MPI, and the mpiexec of one MPI starts processes of
-    another MPI as separate 1-process jobs. None when ``mpi_size`` is not 1 or nothing says so.
+    torch's ``WORLD_SIZE``) does not start MPI, the mpiexec of one MPI starts processes of
+    another MPI as separate 1-process jobs, and so does srun without the MPI plugin
+    (``--mpi``) the MPI needs. None when ``mpi_size`` is not 1 or nothing says so.
 
     Args:
         mpi_size: the size of MPI's world.
@@ -121,6 +152,10 @@ def lone_start(mpi_size: int, environ: Mapping[str, str] | None = None,
     if mpi_size != 1:
         return None
     env = os.environ if environ is None else environ
+    # Only a task srun started is in a step of several tasks (a batch script's process is in none).
+    step = _first_number(("SLURM_STEP_NUM_TASKS",), env, 2)
+    if step is not None:
+        return LoneStart("srun", f"SLURM_STEP_NUM_TASKS={step}", step)
     for name in _MPI_SIZES:
         size = _first_number((name,), env, 2)
         if size is not None:

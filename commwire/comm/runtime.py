@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import _config
 from .communicator import Communicator
-from .rankenv import lone_start
+from .rankenv import SLURM_MPI_PLUGINS, lone_start, slurm_mpi_type
 from .transport import TRANSPORTS, MPITransport
 from .stats import Counters
 from .timeline import Timeline
@@ -162,8 +162,19 @@ def lone_start_problem() -> tuple[str, str] | None:
     lone = lone_start(MPI.COMM_WORLD.Get_size(), torch_world=torch_world)
     if lone is None:
         return None
-    if lone.launcher == "mpiexec":
-        library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    vendor, version = MPI.get_vendor()
+    library = f"{vendor} {'.'.join(map(str, version))}"
+    if lone.launcher == "srun":
+        plugin = slurm_mpi_type()
+        needed = SLURM_MPI_PLUGINS.get(vendor)
+        why = (f"srun started this process as one of {lone.size} ({lone.announced}), but the MPI mpi4py loaded "
+               f"({library}) made it a world of 1: srun's MPI plugin "
+               f"({f'--mpi={plugin}' if plugin else '--mpi=none, or the cluster default MpiDefault'}) does not start {vendor}")
+        fix = (f"launch with `srun --mpi={needed} ...` ({vendor} needs {needed}; `srun --mpi=list` shows what the "
+               f"cluster offers) or `commwire run -np {lone.size} ...` inside the allocation, which passes it"
+               if needed else "launch with the srun --mpi plugin your MPI's documentation names "
+                              "(`srun --mpi=list` shows what the cluster offers)")
+    elif lone.launcher == "mpiexec":
         why = (f"the launcher started {lone.size} processes ({lone.announced}), but the MPI mpi4py loaded "
                f"({library}) made this one a world of 1: that mpiexec belongs to another MPI")
         fix = (f"launch with `commwire run -np {lone.size} ...`, which uses mpi4py's MPI, or with that MPI's own "

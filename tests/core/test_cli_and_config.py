@@ -35,6 +35,40 @@ def test_build_command_slurm_exports_env():
     assert argv == ["/usr/bin/srun", "-n", "2", "--export=ALL,A=b", "python", "t.py"]
 
 
+def test_build_command_slurm_passes_the_mpi_plugin_unless_told_another():
+    srun = launch.Launcher(kind="slurm", path="/usr/bin/srun", mpi_plugin="pmix",
+                           mpi_plugins_offered=("pmix", "none", "pmi2", "pmix_v4"))
+    assert launch.build_command(srun, 2, ["python", "t.py"])[4:] == ["--mpi=pmix", "python", "t.py"]
+    assert launch.build_command(srun, 2, ["t"], mpi_args=["--mpi=pmi2"])[4:] == ["--mpi=pmi2", "t"]
+    assert launch.build_command(srun, 2, ["t"], mpi_args=["--mpi", "none"])[4:] == ["--mpi", "none", "t"]
+    versioned = launch.Launcher(kind="slurm", path="srun", mpi_plugin="pmix", mpi_plugins_offered=("pmix_v3",))
+    assert "--mpi=pmix" in launch.build_command(versioned, 2, ["t"])
+    lacking = launch.Launcher(kind="slurm", path="srun", mpi_plugin="pmix", mpi_plugins_offered=("none", "pmi2"))
+    with pytest.raises(ValueError, match="srun offers the MPI plugins none, pmi2, not pmix.*--mpi-args=--mpi=NAME"):
+        launch.build_command(lacking, 2, ["t"])
+    assert launch.build_command(lacking, 2, ["t"], mpi_args=["--mpi=pmi2"])[-2:] == ["--mpi=pmi2", "t"]
+
+
+def test_the_slurm_plugin_follows_mpi4pys_mpi(monkeypatch):
+    from mpi4py import MPI
+
+    monkeypatch.delenv("SLURM_MPI_TYPE", raising=False)
+    assert [launch.slurm_mpi_plugin(v) for v in ("MPICH", "Intel MPI", "Open MPI", "Other")] == \
+        ["pmi2", "pmi2", "pmix", None]
+    assert launch.mpi4py_vendor() == MPI.get_vendor()[0]  # asked in a subprocess: MPI is not started here
+    monkeypatch.setenv("SLURM_MPI_TYPE", "pmi2")  # the user's choice: srun reads it, commwire adds nothing
+    assert launch.slurm_mpi_plugin("Open MPI") is None
+
+
+def test_srun_mpi_list_is_read(tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\nprintf 'MPI plugin types are...\\n\\tpmix\\n\\tnone\\n\\tcray_shasta\\n\\tpmi2\\n"
+                    "specific pmix plugin versions available: pmix_v4\\n'\n")
+    fake.chmod(0o755)
+    assert launch.srun_mpi_plugins(str(fake)) == ["pmix", "none", "cray_shasta", "pmi2", "pmix_v4"]
+    assert launch.srun_mpi_plugins(str(tmp_path / "missing")) == []
+
+
 @pytest.mark.parametrize("bad,match", [("", "names no host"), ("a:x", "HOST:SLOTS"), ("a:0", "HOST:SLOTS")])
 def test_parse_hosts_errors(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -33,10 +33,8 @@ def test_bad_commwire_variables_are_a_problem(monkeypatch):
 def test_a_launcher_of_another_mpi_is_a_problem(monkeypatch):
     from commwire import launch
 
-    class Fake:
-        kind, path = "openmpi", "/opt/ompi/bin/mpirun"
-
-    monkeypatch.setattr(launch, "find_launcher", lambda *a, **k: Fake())
+    other = launch.Launcher(kind="openmpi", path="/opt/ompi/bin/mpirun")
+    monkeypatch.setattr(launch, "find_launcher", lambda *a, **k: other)
     check = _by_name(info.diagnose())["launcher"]
     assert check.status == "problem" and "every rank would start alone" in check.found and "mpiexec" in check.fix
 

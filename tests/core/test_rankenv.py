@@ -18,8 +18,14 @@ LAUNCHERS = {
     "mpich": {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
     "openmpi": {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                 "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
-    "slurm": {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"},
+    # What srun sets in a step (seen on Slurm 22.05); --ntasks-per-node would add SLURM_NTASKS_PER_NODE.
+    "slurm": {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "2",
+              "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_TASKS_PER_NODE": "4(x2)"},
 }
+# A batch script's own process: its allocation's counts, no step.
+BATCH_SCRIPT = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NUM_NODES": "2"}
 
 
 @pytest.fixture
@@ -58,7 +64,19 @@ def test_the_table_holds_every_launchers_variables():
     assert set(LAUNCHER_VARIABLES["rank"]) >= {"PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK"}
     assert set(LAUNCHER_VARIABLES["size"]) >= {"PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}
     assert set(LAUNCHER_VARIABLES["local_size"]) >= {"MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                                     "SLURM_NTASKS_PER_NODE"}
+                                                     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE"}
+
+
+@pytest.mark.parametrize("per_node,node,step_nodes,expected", [
+    ("4(x2)", None, None, 4),  # the same on every node: no need to know which node
+    ("4(x2),3", "2", "3", 3), ("4(x2),3", "0", "3", 4),
+    ("4(x2),3", "2", "2", None),  # the step spans part of the job: SLURM_NODEID does not index its list
+    ("4(x2),3", None, "3", None), ("4(x2),3", "5", "3", None), ("4(x,3", "0", "1", None),
+])
+def test_slurms_per_node_counts_give_this_nodes(per_node, node, step_nodes, expected):
+    env = {"SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_JOB_NUM_NODES": "3"}
+    env.update({k: v for k, v in (("SLURM_NODEID", node), ("SLURM_STEP_NUM_NODES", step_nodes)) if v is not None})
+    assert launcher_ranks(env).local_size == expected
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
@@ -82,8 +100,12 @@ LONE = [
     ({}, 3, LoneStart("torch.distributed", "torch.distributed.get_world_size() = 3", 3)),
     (LAUNCHERS["openmpi"], None, LoneStart("mpiexec", "OMPI_COMM_WORLD_SIZE=8", 8)),
     (LAUNCHERS["mpich"], None, LoneStart("mpiexec", "PMI_SIZE=8", 8)),
-    # A batch script's own process sees its allocation's SLURM_NTASKS: not a sign of a lone start.
-    (LAUNCHERS["slurm"], None, None),
+    # srun without the MPI plugin this MPI needs starts every task as a world of 1 ...
+    (LAUNCHERS["slurm"], None, LoneStart("srun", "SLURM_STEP_NUM_TASKS=8", 8)),
+    ({**LAUNCHERS["slurm"], "PMI_SIZE": "8"}, None, LoneStart("srun", "SLURM_STEP_NUM_TASKS=8", 8)),
+    # ... while a batch script's own process sees its allocation's SLURM_NTASKS: not a sign of a lone start.
+    (BATCH_SCRIPT, None, None),
+    ({**LAUNCHERS["slurm"], "SLURM_STEP_NUM_TASKS": "1"}, None, None),
     ({"WORLD_SIZE": "1", "RANK": "0"}, 1, None),
     ({"WORLD_SIZE": "x"}, None, None),
 ]
@@ -108,6 +130,20 @@ def test_init_refuses_a_process_another_mpis_launcher_started():
     assert proc.returncode != 0
     assert "RuntimeError: the launcher started 3 processes (OMPI_COMM_WORLD_SIZE=3)" in proc.stderr, proc.stderr
     assert "commwire run -np 3" in proc.stderr and "comm=MPI.COMM_SELF" in proc.stderr
+
+
+def test_init_refuses_a_task_srun_started_without_this_mpis_plugin():
+    # What `srun -n 2 --mpi=none python train.py` gives each task of an mpi4py on MPICH (seen on Slurm 22.05).
+    from mpi4py import MPI
+
+    proc = _init_alone({k: v for k, v in LAUNCHERS["slurm"].items() if k != "SLURM_STEP_NUM_TASKS"}
+                       | {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"})
+    assert proc.returncode != 0
+    assert "RuntimeError: srun started this process as one of 2 (SLURM_STEP_NUM_TASKS=2)" in proc.stderr, proc.stderr
+    needed = {"MPICH": "pmi2", "Intel MPI": "pmi2", "Open MPI": "pmix"}[MPI.get_vendor()[0]]
+    assert f"`srun --mpi={needed} ...`" in proc.stderr and "commwire run -np 2" in proc.stderr
+    batch = _init_alone(BATCH_SCRIPT, "commwire.init().size")
+    assert batch.returncode == 0 and batch.stdout.strip() == "1", batch.stderr
     alone = _init_alone({"OMPI_COMM_WORLD_SIZE": "3"}, "commwire.init(comm=MPI.COMM_SELF).size")
     assert alone.returncode == 0 and alone.stdout.strip() == "1", alone.stderr
     plain = _init_alone({}, "commwire.init().size")
