@@ -166,10 +166,10 @@ def lone_start_problem() -> tuple[str, str] | None:
     library = f"{vendor} {'.'.join(map(str, version))}"
     if lone.launcher == "srun":
         plugin = slurm_mpi_type()
+        chosen = f"--mpi={plugin}" if plugin else "--mpi=none, or the cluster default MpiDefault"
         needed = SLURM_MPI_PLUGINS.get(vendor)
         why = (f"srun started this process as one of {lone.size} ({lone.announced}), but the MPI mpi4py loaded "
-               f"({library}) made it a world of 1: srun's MPI plugin "
-               f"({f'--mpi={plugin}' if plugin else '--mpi=none, or the cluster default MpiDefault'}) does not start {vendor}")
+               f"({library}) made it a world of 1: srun's MPI plugin ({chosen}) does not start {vendor}")
         fix = (f"launch with `srun --mpi={needed} ...` ({vendor} needs {needed}; `srun --mpi=list` shows what the "
                f"cluster offers) or `commwire run -np {lone.size} ...` inside the allocation, which passes it"
                if needed else "launch with the srun --mpi plugin your MPI's documentation names "

@@ -181,16 +181,29 @@ def collect_parts(mpi_comm: Any, recorder: Timeline | None, fh: Any) -> None:
         finally:
             mpi_comm.send(b"", dest=0, tag=_TAG)
         return
+    for source in range(1, size):  # every rank's part is received, written or not: no sender is left waiting
+        while chunk := mpi_comm.recv(source=source, tag=_TAG):
+            fh = _append(fh, chunk.decode("ascii"), recorder)  # json.dumps escapes non-ASCII
+    fh = _append(fh, "\n]\n", recorder)
+    if fh is not None:
+        fh.close()
+
+
+def _append(fh: Any, text: str, recorder: Timeline | None) -> Any:
+    """Write ``text`` to rank 0's open timeline; on failure warn, close it and return None."""
+    if fh is None:
+        return None
     try:
-        for source in range(1, size):
-            while chunk := mpi_comm.recv(source=source, tag=_TAG):
-                if fh is not None:
-                    fh.write(chunk.decode("ascii"))  # json.dumps escapes non-ASCII
-        if fh is not None:
-            fh.write("\n]\n")
-    finally:
-        if fh is not None:
+        fh.write(text)
+        return fh
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"commwire timeline: writing {recorder.file if recorder else 'the timeline'!r} failed "
+                      f"({exc}); the other ranks' events are not all in it", stacklevel=3)
+        try:
             fh.close()
+        except (OSError, ValueError):
+            pass
+        return None
 
 
 def _send_part(mpi_comm: Any, file: str) -> None:

@@ -201,3 +201,24 @@ def test_the_cost_benchmark_reports_both_arms(tmp_path):
     assert [line[:7] for line in lines] == ["rank 0:", "rank 1:"], proc.stdout
     assert all("500 calls; no timeline" in line and "us/call (" in line for line in lines)
     assert lines[0].endswith("1002 events")  # 2 tracks' names and 2 x 500 calls; the warm-up is not recorded
+
+
+@pytest.mark.mpi
+def test_rank_0_failing_to_write_the_merge_leaves_no_rank_waiting(tmp_path):
+    # Rank 0's file turns unwritable (a full disk, say) just before the other ranks hand it their parts.
+    code = ("import commwire as cw, numpy as np\n"
+            "from commwire.comm import runtime\n"
+            f"cw.init(timeline={str(tmp_path / 't.json')!r})\n"
+            "for _ in range(3):\n"
+            "    cw.allreduce(np.ones(64), name='g')\n"
+            "recorder = runtime.world().timeline\n"
+            "if cw.rank() == 0:\n"
+            "    recorder.flush()\n"
+            "    recorder._fh = open(recorder.file, encoding='utf-8')  # writes now fail\n"
+            "cw.finalize()\n"
+            "print('finished', flush=True)\n")
+    proc = _job(tmp_path, code, n=3)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("finished") == 3
+    assert "the other ranks' events are not all in it" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py", "t.json"]
