@@ -90,14 +90,32 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         if status != 0:
             raise RuntimeError(f"commwire.run: the job of {func.__qualname__} failed (exit status {status}); the "
                                "failing rank's traceback is in the output above")
-        results = {int(name.split(".")[1]): name for name in os.listdir(folder) if name.startswith("result.")}
-        values = []
-        for rank in sorted(results):
-            with open(os.path.join(folder, results[rank]), "rb") as fh:
-                values.append(pickle.load(fh))
+        values = read_results(folder)
         return values[:min_num_proc] if min_num_proc is not None else values
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_results(folder: str) -> list[Any]:
+    """Return the values the ranks of the job's last launch wrote, in rank order.
+
+    An elastic job may be launched several times; a rank of an earlier launch whose
+    function returned before the job was re-formed left a result of its own, which
+    does not count (``result.LAUNCH.RANK``).
+    """
+    found: dict[int, dict[int, str]] = {}
+    for name in os.listdir(folder):
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == "result" and parts[1].isdigit() and parts[2].isdigit():
+            found.setdefault(int(parts[1]), {})[int(parts[2])] = name
+    if not found:
+        return []
+    last = found[max(found)]
+    values = []
+    for rank in sorted(last):
+        with open(os.path.join(folder, last[rank]), "rb") as fh:
+            values.append(pickle.load(fh))
+    return values
 
 
 def _write_job(folder: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -127,8 +145,9 @@ def _load_main(path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Each rank: load the job of ``argv[0]``, call the function, write its value as ``result.RANK``."""
+    """Each rank: load the job of ``argv[0]``, call the function, write its value as ``result.LAUNCH.RANK``."""
     from .comm.ranklog import env_rank
+    from .elastic.runner import launch_version
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1:
@@ -147,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     part = os.path.join(folder, f".result.{rank}.{os.getpid()}")
     with open(part, "wb") as fh:
         pickle.dump(value, fh)
-    os.replace(part, os.path.join(folder, f"result.{rank}"))
+    os.replace(part, os.path.join(folder, f"result.{launch_version()}.{rank}"))
 
 
 if __name__ == "__main__":

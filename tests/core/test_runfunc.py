@@ -73,3 +73,18 @@ def test_a_failing_rank_fails_the_call_and_a_lambda_needs_cloudpickle(tmp_path):
     assert "CAUGHT commwire.run: the job of fails failed" in proc.stdout, proc.stdout
     assert "ValueError: rank one gives up" in proc.stdout + proc.stderr
     assert "LAMBDA [42, 42]" in proc.stdout or "pip install cloudpickle" in proc.stdout, proc.stdout
+
+
+def test_only_the_last_launchs_results_count(tmp_path):
+    # An elastic job launched twice: launch 0's rank 2 returned before the job was re-formed on 2 ranks.
+    import pickle
+
+    from commwire.runfunc import read_results
+
+    for launch, rank, value in ((0, 0, "old0"), (0, 2, "stale"), (1, 0, "new0"), (1, 1, "new1")):
+        (tmp_path / f"result.{launch}.{rank}").write_bytes(pickle.dumps(value))
+    (tmp_path / ".result.1.999").write_bytes(b"half written")
+    (tmp_path / "job.pkl").write_bytes(b"")
+    assert read_results(str(tmp_path)) == ["new0", "new1"]
+    (tmp_path / "empty").mkdir()
+    assert read_results(str(tmp_path / "empty")) == []
