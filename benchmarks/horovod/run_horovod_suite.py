@@ -14,7 +14,9 @@ temporary directory, changing only:
   parameters).
 
 The suite runs as ONE ``mpiexec -n N python -m pytest test_torch.py`` job per
-N, the way Horovod runs it; every rank writes its own JUnit report, and the
+N, the way Horovod runs it, through the launcher ``commwire run`` would pick
+(MPICH's or Open MPI's mpiexec beside this Python; srun, with its ``--mpi``
+plugin, in a Slurm allocation); every rank writes its own JUnit report, and the
 summary gives each rank's passed / failed / skipped counts and the failures.
 The examples (pytorch_synthetic_benchmark.py, pytorch_mnist.py,
 pytorch_imagenet_resnet50.py) run with the torchvision stand-in of
@@ -53,7 +55,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,12 +117,15 @@ def prepare(horovod: Path, work: Path) -> Path:
     return work / "parallel"
 
 
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if found is None:
-        raise SystemExit("no mpiexec: pip install 'commwire[mpich]'")
-    return found
+def launched(n: int, command: list[str]) -> list[str]:
+    """Return the argv that starts ``command`` on ``n`` ranks with the launcher ``commwire run`` picks: the
+    mpiexec of MPICH or Open MPI beside this Python, or srun (with its --mpi plugin) in a Slurm allocation."""
+    from commwire import launch
+
+    try:
+        return launch.build_command(launch.find_launcher(), n, command)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(f"cannot start {n} ranks: {exc}") from None
 
 
 def run_suite(directory: Path, n: int, timeout: float, out: Path, deselect: list[str] = (),
@@ -129,11 +133,12 @@ def run_suite(directory: Path, n: int, timeout: float, out: Path, deselect: list
     """Run ``test`` as one n-rank job (without the TorchTests named in ``deselect``); return per-rank counts."""
     out.mkdir(parents=True, exist_ok=True)
     skip = "".join(f" --deselect {test}::TorchTests::{name}" for name in deselect)
+    rank = "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-$SLURM_PROCID}}"  # Hydra, Open MPI, srun
     rank_cmd = (f"{sys.executable} -m pytest -q -p no:cacheprovider {test}{skip} "
-                f"--junitxml={out}/rank$PMI_RANK.xml > {out}/rank$PMI_RANK.log 2>&1")
+                f"--junitxml={out}/rank{rank}.xml > {out}/rank{rank}.log 2>&1")
     start = time.monotonic()
     try:
-        proc = subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", rank_cmd], cwd=directory, timeout=timeout)
+        proc = subprocess.run(launched(n, ["sh", "-c", rank_cmd]), cwd=directory, timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
@@ -142,8 +147,8 @@ def run_suite(directory: Path, n: int, timeout: float, out: Path, deselect: list
     for r in range(n):
         report = out / f"rank{r}.xml"
         ranks.append(junit_counts(report) if report.exists() else {"missing": str(report)})
-    return {"test": test, "ranks": n, "exit": code, "seconds": round(elapsed, 1), "deselected": list(deselect),
-            "per_rank": ranks}
+    return {"test": test, "ranks": n, "launcher": launched(n, ["x"])[0], "exit": code,
+            "seconds": round(elapsed, 1), "deselected": list(deselect), "per_rank": ranks}
 
 
 def junit_counts(path: Path) -> dict:
@@ -208,10 +213,12 @@ def run_examples(horovod: Path, work: Path, n: int, timeout: float) -> list[dict
                 run_dir.mkdir(parents=True, exist_ok=True)
                 args += ([] if flag == "--epochs 2" else ["--epochs", "1"]) + _imagenet_outputs(run_dir)
             start = time.monotonic()
-            # --num-proc: the example starts its own ranks (horovod.run); otherwise mpiexec starts them
-            launcher = [] if flag.startswith("--num-proc") else [mpiexec(), "-n", str(n)]
+            # --num-proc: the example starts its own ranks (horovod.run); otherwise the MPI launcher starts them
+            command = [sys.executable, str(path), *args]
+            if not flag.startswith("--num-proc"):
+                command = launched(n, command)
             try:
-                proc = subprocess.run([*launcher, sys.executable, str(path), *args], cwd=work, env=env,
+                proc = subprocess.run(command, cwd=work, env=env,
                                       capture_output=True, text=True, timeout=timeout)
                 lines = (proc.stdout + proc.stderr).replace("\r", "\n").strip().splitlines()
                 # one line per test-set report, throughput figure and (the last render of) finished progress bar
@@ -345,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             row = run_suite(directory, n, args.timeout, work / f"out{n}-{Path(test).stem}", deselect, test)
             results["suites"].append(row)
             left_out = f", without {', '.join(deselect)}" if deselect else ""
-            print(f"{test} as one mpiexec -n {n} job{left_out}: exit {row['exit']}, {row['seconds']} s")
+            print(f"{test} as one {row['launcher']} job of {n} ranks{left_out}: exit {row['exit']}, "
+                  f"{row['seconds']} s")
             for r, rank in enumerate(row["per_rank"]):
                 if "missing" in rank:
                     print(f"  rank {r}: no report ({rank['missing']})")
