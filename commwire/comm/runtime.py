@@ -21,7 +21,6 @@ from .rankenv import SLURM_MPI_PLUGINS, lone_start, slurm_mpi_type
 from .transport import TRANSPORTS, MPITransport
 from .stats import Counters
 from .timeline import Timeline
-from .timeline import flush_all as flush_timelines
 
 __all__ = [
     "init",
@@ -134,7 +133,8 @@ def init(
         transport = transport or _config.env_choice("COMMWIRE_TRANSPORT", TRANSPORTS, "mpi")
         try:
             data = _make_transport(mpi_comm, transport, bool(cuda_aware))
-            recorder = open_timeline(mpi_comm, reset_path(path, _resets) if path and _resets else path)
+            recorder = open_timeline(mpi_comm, timeline_path(path, _config.env_int("COMMWIRE_ELASTIC_VERSION", 0),
+                                                             _resets) if path else None)
         except BaseException:
             if watchdog is not None:
                 watchdog.close()
@@ -306,7 +306,7 @@ def replace_world(mpi_comm: Any) -> Communicator:
     if old is not None and old.watchdog is not None:
         old.watchdog.close()
     if old is not None and old.timeline is not None:
-        old.timeline.close()  # its files stay as written; the new world's timeline goes to reset_path()
+        old.timeline.close()  # its files stay as written; the new world's timeline goes to timeline_path()
     return init(comm=mpi_comm, check=old.check if old is not None else None, timeline=settings.get("timeline"),
                 cuda_aware=settings.get("cuda_aware"), timeout=settings.get("timeout"),
                 on_stall=settings.get("on_stall"), transport=settings.get("transport"))
@@ -373,10 +373,16 @@ def open_timeline(mpi_comm: Any, path: str | None) -> Timeline | None:
     return recorder
 
 
-def reset_path(path: str, resets: int) -> str:
-    """Return where the timeline goes after the world was re-formed ``resets`` times (trace.json -> trace.reset1.json)."""
+def timeline_path(path: str, launch: int, resets: int) -> str:
+    """Return where an elastic job's timeline goes, so that no launch or re-formed world overwrites another's.
+
+    ``launch``: how often the job was launched before (COMMWIRE_ELASTIC_VERSION); ``resets``: how often
+    this process's world was re-formed in place since. trace.json, trace.reset1.json, trace.launch1.json,
+    trace.launch1.reset2.json, ...
+    """
     root, ext = os.path.splitext(os.fspath(path))
-    return f"{root}.reset{resets}{ext}"
+    tags = (f".launch{launch}" if launch else "") + (f".reset{resets}" if resets else "")
+    return f"{root}{tags}{ext}"
 
 
 def transport() -> str:
@@ -564,10 +570,6 @@ def abort_world(code: int, grace: float = 5.0) -> None:
     from mpi4py import MPI
 
     threading.Timer(grace, os._exit, (code,)).start()
-    try:
-        flush_timelines()  # what led here is on disk before the launcher kills the job
-    except Exception:  # noqa: BLE001 - aborting regardless
-        pass
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)

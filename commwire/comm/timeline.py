@@ -1,16 +1,15 @@
 """Record a Chrome-trace timeline (opens in Perfetto or chrome://tracing).
 
-Each rank streams complete events ("ph": "X", microsecond timestamps on a
-shared clock origin) to a file as they happen, so memory stays flat however
-long the job runs and a job that crashes or hangs leaves its timeline on
-disk. Rank 0 writes the timeline's own path; rank r > 0 writes
-``PATH.rank<r>`` beside it. The files are in Chrome's JSON array format,
-whose closing bracket is optional: each opens in Perfetto while the job
-runs, up to its last tenth of a second (``FLUSH_INTERVAL``); an aborting
-rank writes all it has first. At ``finalize()`` (or ``stop_timeline()``)
-the other ranks' events are sent to rank 0, which appends them as one track
-(pid) per rank, as Horovod's timeline does, closes the array, and the
-per-rank files are removed.
+Each rank writes complete events ("ph": "X", microsecond timestamps on a
+shared clock origin) to a file as they happen, one unbuffered write each, so
+memory stays flat however long the job runs and a job that crashes, hangs or
+is killed leaves every finished operation on disk. Rank 0 writes the
+timeline's own path; rank r > 0 writes ``PATH.rank<r>`` beside it. The files
+are in Chrome's JSON array format, whose closing bracket is optional: each
+opens in Perfetto while the job runs. At ``finalize()`` (or
+``stop_timeline()``) the other ranks' events are sent to rank 0, which
+appends them as one track (pid) per rank, as Horovod's timeline does, closes
+the array, and the per-rank files are removed.
 """
 
 from __future__ import annotations
@@ -21,31 +20,21 @@ import tempfile
 import threading
 import time
 import warnings
-import weakref
 from typing import Any
 
-__all__ = ["Timeline", "part_path", "flush_all"]
+__all__ = ["Timeline", "part_path"]
 
-FLUSH_INTERVAL = 0.1
-"""Seconds an event may wait in memory before it is written out (the flusher thread's period)."""
 _CHUNK = 8 << 20  # bytes per message when a rank hands its events to rank 0
 _TAG = 7711
-_open: weakref.WeakSet[Timeline] = weakref.WeakSet()
 
 
 def part_path(path: str, rank: int) -> str:
-    """Return the file rank ``rank`` streams its events to (rank 0: ``path`` itself)."""
+    """Return the file rank ``rank`` writes its events to (rank 0: ``path`` itself)."""
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
-def flush_all() -> None:
-    """Write out every open timeline's buffered events (before an abort)."""
-    for recorder in list(_open):
-        recorder.flush()
-
-
 class Timeline:
-    """Stream one rank's trace events to its file.
+    """Write one rank's trace events to its file.
 
     Args:
         path: the timeline's path (rank 0's file; the others write ``part_path(path, rank)``).
@@ -60,21 +49,16 @@ class Timeline:
         self.rank = rank
         self.file = part_path(self.path, rank)
         self._lock = threading.Lock()
-        self._dirty = False
         self._failed = False
-        self._fh = self._create()
-        self._write(json.dumps({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}),
-                    first=True)
-        self.flush()  # the file opens as a (still empty) timeline from the start
-        self._stop = threading.Event()
-        threading.Thread(target=self._flusher, name=f"commwire-timeline-{rank}", daemon=True).start()
-        _open.add(self)
+        self._fd: int | None = self._create()
+        meta = {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+        self._write("[\n" + json.dumps(meta))
 
-    def _create(self) -> Any:
+    def _create(self) -> int:
         directory = os.path.dirname(os.path.abspath(self.file))
         try:
             os.makedirs(directory, exist_ok=True)
-            return open(self.file, "w", encoding="utf-8")
+            return os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         except OSError as exc:
             if self.rank == 0:
                 raise OSError(f"cannot write the timeline {self.file!r}: {exc}; pass a path in a writable "
@@ -83,7 +67,7 @@ class Timeline:
         fd, self.file = tempfile.mkstemp(prefix=f"commwire-timeline-rank{self.rank}-", suffix=".json")
         warnings.warn(f"commwire timeline: rank {self.rank} cannot write {part_path(self.path, self.rank)!r}; "
                       f"its events go to {self.file!r} until the timeline is collected", stacklevel=4)
-        return os.fdopen(fd, "w", encoding="utf-8")
+        return fd
 
     def add(self, name: str, start: float, end: float, **args: Any) -> None:
         """Record one phase that ran from ``start`` to ``end`` (perf_counter seconds)."""
@@ -96,58 +80,40 @@ class Timeline:
             "dur": max(end - start, 0.0) * 1e6,
             "args": args,
         }
-        text = json.dumps(event, separators=(",", ":"), default=str)
+        self._write(",\n" + json.dumps(event, separators=(",", ":"), default=str))
+
+    def _write(self, text: str) -> None:
         with self._lock:
-            self._write(text)
-
-    def _write(self, text: str, first: bool = False) -> None:
-        # Called with the lock held (or before the flusher exists).
-        if self._fh is None:
-            return
-        try:
-            self._fh.write(("[\n" if first else ",\n") + text)
-            self._dirty = True
-        except (OSError, ValueError) as exc:
-            self._give_up(exc)
-
-    def _give_up(self, exc: BaseException) -> None:
-        if not self._failed:
-            self._failed = True
-            warnings.warn(f"commwire timeline: writing {self.file!r} failed ({exc}); no more events are "
-                          f"recorded on rank {self.rank}", stacklevel=4)
-        try:
-            self._fh.close()
-        except (OSError, ValueError):
-            pass
-        self._fh = None
-
-    def flush(self) -> None:
-        """Write out the events buffered so far."""
-        with self._lock:
-            if self._fh is not None and self._dirty:
+            if self._fd is None:
+                return
+            try:
+                os.write(self._fd, text.encode("ascii"))  # json.dumps escapes non-ASCII
+            except OSError as exc:
+                if not self._failed:
+                    self._failed = True
+                    warnings.warn(f"commwire timeline: writing {self.file!r} failed ({exc}); no more events are "
+                                  f"recorded on rank {self.rank}", stacklevel=4)
                 try:
-                    self._fh.flush()
-                    self._dirty = False
-                except (OSError, ValueError) as exc:
-                    self._give_up(exc)
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                self._fd = None
 
-    def _flusher(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL):
-            self.flush()
+    def _take(self) -> int | None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        return fd
 
     def close(self) -> None:
         """Stop recording and close the file as it is (no other rank's events; nothing removed)."""
-        self._stop.set()
-        with self._lock:
-            fh, self._fh = self._fh, None
-            if fh is not None:
-                try:
-                    if self.rank == 0:
-                        fh.write("\n]\n")
-                    fh.close()
-                except (OSError, ValueError):
-                    pass
-        _open.discard(self)
+        fd = self._take()
+        if fd is not None:
+            try:
+                if self.rank == 0:
+                    os.write(fd, b"\n]\n")
+                os.close(fd)
+            except OSError:
+                pass
 
     def discard(self) -> None:
         """Stop recording and remove this rank's file (a timeline that never started on every rank)."""
@@ -163,45 +129,43 @@ class Timeline:
         Every rank's part goes to rank 0 in chunks of 8 MiB, so neither side
         holds a whole timeline in memory; the per-rank files are removed.
         """
-        self._stop.set()
-        with self._lock:
-            fh, self._fh = self._fh, None
-        _open.discard(self)
-        collect_parts(mpi_comm, self, fh)
+        collect_parts(mpi_comm, self, self._take())
 
 
-def collect_parts(mpi_comm: Any, recorder: Timeline | None, fh: Any) -> None:
-    """Send this rank's part (``recorder``'s, if any) to rank 0, which appends them all to its open ``fh``."""
+def collect_parts(mpi_comm: Any, recorder: Timeline | None, fd: int | None) -> None:
+    """Send this rank's part (``recorder``'s, if any) to rank 0, which appends them all to its open ``fd``."""
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     if rank != 0:
         try:
-            if fh is not None:
-                fh.close()
+            if fd is not None:
+                os.close(fd)
                 _send_part(mpi_comm, recorder.file)
         finally:
             mpi_comm.send(b"", dest=0, tag=_TAG)
         return
     for source in range(1, size):  # every rank's part is received, written or not: no sender is left waiting
         while chunk := mpi_comm.recv(source=source, tag=_TAG):
-            fh = _append(fh, chunk.decode("ascii"), recorder)  # json.dumps escapes non-ASCII
-    fh = _append(fh, "\n]\n", recorder)
-    if fh is not None:
-        fh.close()
+            fd = _append(fd, chunk, recorder)
+    fd = _append(fd, b"\n]\n", recorder)
+    if fd is not None:
+        os.close(fd)
 
 
-def _append(fh: Any, text: str, recorder: Timeline | None) -> Any:
-    """Write ``text`` to rank 0's open timeline; on failure warn, close it and return None."""
-    if fh is None:
+def _append(fd: int | None, data: bytes, recorder: Timeline | None) -> int | None:
+    """Write ``data`` to rank 0's open timeline; on failure warn, close it and return None."""
+    if fd is None:
         return None
     try:
-        fh.write(text)
-        return fh
-    except (OSError, ValueError) as exc:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        return fd
+    except OSError as exc:
         warnings.warn(f"commwire timeline: writing {recorder.file if recorder else 'the timeline'!r} failed "
                       f"({exc}); the other ranks' events are not all in it", stacklevel=3)
         try:
-            fh.close()
-        except (OSError, ValueError):
+            os.close(fd)
+        except OSError:
             pass
         return None
 

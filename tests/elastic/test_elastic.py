@@ -223,12 +223,18 @@ def test_relaunch_resumes_from_the_last_commit_after_a_rank_is_killed(tmp_path):
     log, resets = tmp_path / "train.jsonl", tmp_path / "resets.jsonl"
     marker = f"elastic-test-{os.getpid()}"
     kept_before = {p for p in os.listdir("/dev/shm") if p.startswith("commwire-elastic-")}
+    trace = tmp_path / "trace.json"
     cmd = [sys.executable, "-m", "commwire", "run", "-np", "3", "--min-np", "2", "--max-np", "3",
-           "-H", "localhost:3", "--reset-log", str(resets), sys.executable, "-m", "commwire.bench.elastic_job",
-           "--log", str(log), "--steps", "16", "--commit-every", "5", "--die-at", "7", "--die-rank", "1",
-           "--compression", "ef+fp8-e4m3", "--seed", marker.split("-")[-1][-4:]]
+           "-H", "localhost:3", "--reset-log", str(resets), "--timeline", str(trace), sys.executable, "-m",
+           "commwire.bench.elastic_job", "--log", str(log), "--steps", "16", "--commit-every", "5", "--die-at", "7",
+           "--die-rank", "1", "--compression", "ef+fp8-e4m3", "--seed", marker.split("-")[-1][-4:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The launch that lost a rank keeps its timeline as written; the relaunch writes its own, merged.
+    assert {p.name for p in tmp_path.glob("trace*")} == {"trace.json", "trace.json.rank1", "trace.json.rank2",
+                                                           "trace.launch1.json"}
+    merged = json.loads((tmp_path / "trace.launch1.json").read_text())
+    assert {e["pid"] for e in merged if e["ph"] == "X"} == {0, 1, 2}
     events = _events(log)
     _check_recovered(events, steps=16, killed_at=7, commit_every=5, sizes=[3, 3])
     record = [json.loads(line) for line in open(resets, encoding="utf-8")]
