@@ -287,6 +287,9 @@ def build_command(
     argv = [launcher.path]
     if launcher.kind == "slurm":
         argv += ["-n", str(np), "--export=" + ",".join(["ALL"] + [f"{k}={v}" for k, v in env.items()])]
+        # As mpiexec does, end the job when a rank dies: by default srun lets the others wait for it for ever.
+        if not any(a == "-K" or a.startswith(("--kill-on-bad-exit", "-K")) for a in mpi_args or []):
+            argv.append("--kill-on-bad-exit=1")
         needed, offered = launcher.mpi_plugin, launcher.mpi_plugins_offered
         if needed and not any(a == "--mpi" or a.startswith("--mpi=") for a in mpi_args or []):
             if offered and not any(p == needed or p.startswith(needed + "_") for p in offered):

@@ -32,15 +32,17 @@ def test_build_command_openmpi_oversubscribes_and_exports():
 
 def test_build_command_slurm_exports_env():
     argv = launch.build_command(SLURM, 2, ["python", "t.py"], env={"A": "b"})
-    assert argv == ["/usr/bin/srun", "-n", "2", "--export=ALL,A=b", "python", "t.py"]
+    assert argv == ["/usr/bin/srun", "-n", "2", "--export=ALL,A=b", "--kill-on-bad-exit=1", "python", "t.py"]
+    # the user's own choice of whether a dead rank ends the step stands
+    assert "--kill-on-bad-exit=1" not in launch.build_command(SLURM, 2, ["t"], mpi_args=["-K0"])
 
 
 def test_build_command_slurm_passes_the_mpi_plugin_unless_told_another():
     srun = launch.Launcher(kind="slurm", path="/usr/bin/srun", mpi_plugin="pmix",
                            mpi_plugins_offered=("pmix", "none", "pmi2", "pmix_v4"))
-    assert launch.build_command(srun, 2, ["python", "t.py"])[4:] == ["--mpi=pmix", "python", "t.py"]
-    assert launch.build_command(srun, 2, ["t"], mpi_args=["--mpi=pmi2"])[4:] == ["--mpi=pmi2", "t"]
-    assert launch.build_command(srun, 2, ["t"], mpi_args=["--mpi", "none"])[4:] == ["--mpi", "none", "t"]
+    assert launch.build_command(srun, 2, ["python", "t.py"])[5:] == ["--mpi=pmix", "python", "t.py"]
+    assert launch.build_command(srun, 2, ["t"], mpi_args=["--mpi=pmi2"])[5:] == ["--mpi=pmi2", "t"]
+    assert launch.build_command(srun, 2, ["t"], mpi_args=["--mpi", "none"])[5:] == ["--mpi", "none", "t"]
     versioned = launch.Launcher(kind="slurm", path="srun", mpi_plugin="pmix", mpi_plugins_offered=("pmix_v3",))
     assert "--mpi=pmix" in launch.build_command(versioned, 2, ["t"])
     lacking = launch.Launcher(kind="slurm", path="srun", mpi_plugin="pmix", mpi_plugins_offered=("none", "pmi2"))
