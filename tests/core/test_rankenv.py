@@ -20,7 +20,8 @@ LAUNCHERS = {
                 "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
     # What srun sets in a step (seen on Slurm 22.05); --ntasks-per-node would add SLURM_NTASKS_PER_NODE.
     "slurm": {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "2",
+              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2",
+              "SLURM_JOB_NUM_NODES": "2",
               "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_TASKS_PER_NODE": "4(x2)"},
 }
 # A batch script's own process: its allocation's counts, no step.
