@@ -134,12 +134,23 @@ def interfaces(values: dict[str, Any]) -> list[str]:
     return [nic for given in values.get("nics") or () for nic in given.split(",") if nic]
 
 
+def launcher_prefix(kind: str, values: dict[str, Any]) -> list[str]:
+    """Return what goes before launcher ``kind``'s command: MPICH's Hydra takes ssh's -p/-i only from the
+    HYDRA_LAUNCHER_EXTRA_ARGS variable (MPICH 5 has no -bootstrap-exec-args)."""
+    ssh = _ssh_args(values)
+    return ["env", f"HYDRA_LAUNCHER_EXTRA_ARGS={' '.join(ssh)}"] if kind == "mpich" and ssh else []
+
+
+def _ssh_args(values: dict[str, Any]) -> list[str]:
+    return ([f"-p {values['ssh_port']}"] if values.get("ssh_port") else []) + (
+        [f"-i {values['ssh_identity_file']}"] if values.get("ssh_identity_file") else [])
+
+
 def launcher_args(kind: str, values: dict[str, Any]) -> list[str]:
     """Return the flags that tell launcher ``kind`` the interfaces, ssh settings and binding of ``values``."""
     args: list[str] = []
     nics = interfaces(values)
-    ssh = ([f"-p {values['ssh_port']}"] if values.get("ssh_port") else []) + (
-        [f"-i {values['ssh_identity_file']}"] if values.get("ssh_identity_file") else [])
+    ssh = _ssh_args(values)
     if kind == "openmpi":
         if nics:
             args += ["--mca", "btl_tcp_if_include", ",".join(nics), "--mca", "oob_tcp_if_include", ",".join(nics)]
@@ -151,8 +162,10 @@ def launcher_args(kind: str, values: dict[str, Any]) -> list[str]:
                              "interface (-iface); give one")
         if nics:
             args += ["-iface", nics[0]]
-        if ssh:
+        if ssh and kind == "intel":
             args += ["-bootstrap", "ssh", "-bootstrap-exec-args", " ".join(ssh)]
+        elif ssh:  # MPICH's Hydra has no flag for ssh's arguments: launcher_prefix() sets its variable
+            args += ["-launcher", "ssh"]
     elif ssh:  # slurm
         raise ValueError("-p/--ssh-port and -i/--ssh-identity-file: srun starts the ranks without ssh; drop them")
     if values.get("binding_args"):

@@ -212,8 +212,9 @@ def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[
             job_env = {k: v for k, v in lab_env.items() if os.environ.get(k) != v}
         else:
             assert launcher is not None
-            argv = launch.build_command(launcher, np_, cmd, hosts=",".join(f"{h}:{s}" for h, s in used), env=job_env,
-                                        mpi_args=extra + horovodrun.launcher_args(launcher.kind, hvd) + mpi_args)
+            argv = horovodrun.launcher_prefix(launcher.kind, hvd) + launch.build_command(
+                launcher, np_, cmd, hosts=",".join(f"{h}:{s}" for h, s in used), env=job_env,
+                mpi_args=extra + horovodrun.launcher_args(launcher.kind, hvd) + mpi_args)
         if verbose:
             click.echo(f"commwire run: launcher command: {shlex.join(argv)}", err=True)
         return argv, job_env
@@ -270,7 +271,7 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
         launch.check_command(command, env={**os.environ, **env})
     mpi_args = horovodrun.launcher_args(launcher.kind, hvd) + mpi_args
     argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env, mpi_args=mpi_args)
-    return argv, env, local
+    return horovodrun.launcher_prefix(launcher.kind, hvd) + argv, env, local
 
 
 def _on_this_machine(launcher_kind: str | None, pairs: Sequence[tuple[str, int]] | None) -> bool:

@@ -49,7 +49,8 @@ import numpy as np
 from .handle import in_lane
 from .transport import Transport, spans_nodes
 
-__all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "free_port", "BACKENDS"]
+__all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "free_port", "rendezvous_address",
+           "interface_address", "BACKENDS"]
 
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 """The torch.distributed backends commwire sets up itself (``init_torch_distributed``)."""
@@ -98,12 +99,20 @@ def init_torch_distributed(comm: Any, backend: str, timeout: Any = None) -> None
         finally:
             local.Free()
     single = not spans_nodes(comm)  # collective: every rank calls it, whatever MASTER_ADDR says
-    address: tuple[str, int] | None = None
+    address: tuple[str, int] | str | None = None
     if comm.Get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if single else socket.gethostbyname(socket.gethostname()))
-        port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else free_port(host)
-        address = (host, port)
-    host, port = comm.bcast(address, root=0)
+        try:
+            host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if single else rendezvous_address())
+            port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else free_port(host)
+            address = (host, port)
+        except (OSError, ValueError) as exc:  # the others learn it from the broadcast instead of waiting
+            address = (f"rank 0 cannot choose an address for torch.distributed's rendezvous ({exc}); set MASTER_ADDR "
+                       "(and MASTER_PORT) to an address of rank 0's host that the other hosts reach, or name its "
+                       "interface (commwire run --network-interface, GLOO_SOCKET_IFNAME)")
+    address = comm.bcast(address, root=0)
+    if isinstance(address, str):
+        raise RuntimeError(address)
+    host, port = address
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size(), **kwargs)
@@ -113,6 +122,52 @@ def _shared_type() -> Any:
     from mpi4py import MPI
 
     return MPI.COMM_TYPE_SHARED
+
+
+def rendezvous_address() -> str:
+    """Return an IPv4 address of this host that other hosts reach, for torch.distributed's rendezvous.
+
+    The interface GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) names, as ``commwire run
+    --network-interface`` sets them; else the host name's address unless it is a loopback one
+    (Debian and Ubuntu map the host name to 127.0.1.1); else the source address of the default route.
+
+    Raises:
+        OSError: none of them gives an address (the message says which was tried).
+    """
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        names = [n for n in os.environ.get(variable, "").split(",") if n and n[0] not in "^="]
+        if names:
+            return interface_address(names[0])
+    try:
+        found = socket.gethostbyname(socket.gethostname())
+        if not found.startswith("127."):
+            return found
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # a documentation address: no packet is sent, only the route looked up
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise OSError(f"the host name {socket.gethostname()!r} gives no address other hosts reach, and there is no "
+                      f"default route ({exc})") from None
+
+
+def interface_address(name: str) -> str:
+    """Return the IPv4 address of network interface ``name`` (or of the first whose name starts with it)."""
+    import fcntl
+    import struct
+
+    known = [n for _, n in socket.if_nameindex()]
+    chosen = name if name in known else next((n for n in known if n.startswith(name)), None)
+    if chosen is None:
+        raise OSError(f"no network interface {name!r} on this host (it has {', '.join(known)})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", chosen[:15].encode()))  # SIOCGIFADDR
+        except OSError as exc:
+            raise OSError(f"network interface {chosen!r} has no IPv4 address ({exc})") from None
+    return socket.inet_ntoa(packed[20:24])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -104,7 +104,9 @@ def test_dry_run_takes_horovodruns_other_options(capsys):
                             ("HOROVOD_AUTOTUNE", "0"), ("HOROVOD_LOG_LEVEL", "INFO"), ("HOROVOD_LOG_HIDE_TIME", "1"),
                             ("NCCL_IB_DISABLE", "1"), ("GLOO_SOCKET_IFNAME", "eth1"), ("NCCL_SOCKET_IFNAME", "eth1")]:
         assert f"-genv {variable} {value} " in out, (variable, out)
-    assert "-iface eth1 -bootstrap ssh -bootstrap-exec-args '-p 2222 -i /keys/id' -bind-to core python" in out
+    # MPICH's Hydra (5.0 here) has no -bootstrap-exec-args: ssh's arguments go in HYDRA_LAUNCHER_EXTRA_ARGS
+    assert out.startswith("env 'HYDRA_LAUNCHER_EXTRA_ARGS=-p 2222 -i /keys/id' "), out
+    assert "-iface eth1 -launcher ssh -bind-to core python" in out
     assert out.strip().endswith("python -m commwire._rankmain --tag-output --timestamp-output t.py")
     assert "COMMWIRE_TRANSPORT" not in out
 
@@ -120,6 +122,10 @@ def test_horovodruns_options_for_open_mpi_and_the_ones_refused(capsys):
         "COMMWIRE_TRANSPORT": "torch", "GLOO_SOCKET_IFNAME": "eth0,eth1", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
     with pytest.raises(ValueError, match="srun starts the ranks without ssh"):
         horovodrun.launcher_args("slurm", {"ssh_port": 22})
+    ssh = {"ssh_port": 2222, "ssh_identity_file": "/k"}
+    assert horovodrun.launcher_args("intel", ssh) == ["-bootstrap", "ssh", "-bootstrap-exec-args", "-p 2222 -i /k"]
+    assert horovodrun.launcher_prefix("intel", ssh) == horovodrun.launcher_prefix("openmpi", ssh) == []
+    assert horovodrun.launcher_prefix("mpich", ssh) == ["env", "HYDRA_LAUNCHER_EXTRA_ARGS=-p 2222 -i /k"]
     for extra, why in [(["--jsrun"], "start the job with jsrun itself"), (["--config-file", "c.yaml"], "YAML"),
                        (["--gloo", "--mpi"], "choose one"), (["--lab", "-p", "22"], "--lab sets up its own")]:
         assert main(["run", "--dry-run", "-np", "2", *extra, "python", "t.py"]) != 0

@@ -40,6 +40,57 @@ def test_rendezvous_with_master_addr():
     assert "seen [(0, 2, [3.0, 3.0, 3.0]), (1, 2, [3.0, 3.0, 3.0])]" in proc.stdout
 
 
+# Across hosts (faked: spans_nodes says so), rank 0 picks the rendezvous address itself.
+ACROSS_HOSTS = """
+import sys
+from mpi4py import MPI
+import commwire.comm.torch_transport as tt
+tt.spans_nodes = lambda comm: True
+try:
+    tt.init_torch_distributed(MPI.COMM_WORLD, "gloo")
+    import torch.distributed as dist
+    sys.stdout.write(f"joined {dist.get_rank()} of {dist.get_world_size()}\\n")
+except RuntimeError as exc:
+    sys.stdout.write(f"raised: {exc}\\n")
+"""
+
+
+def test_across_hosts_the_rendezvous_uses_the_named_interface_or_every_rank_raises():
+    from mpi_helpers import run_mpi
+
+    proc = run_mpi(2, ["-c", ACROSS_HOSTS], timeout=120, env={"GLOO_SOCKET_IFNAME": "lo", "COMMWIRE_TIMEOUT": "30"})
+    assert proc.returncode == 0 and proc.stdout.count("joined") == 2, proc.stdout + proc.stderr
+    # An interface rank 0 lacks: every rank raises together (rank 0 alone used to raise; the rest waited).
+    proc = run_mpi(2, ["-c", ACROSS_HOSTS], timeout=120,
+                   env={"GLOO_SOCKET_IFNAME": "nosuch0", "COMMWIRE_TIMEOUT": "30"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("raised: rank 0 cannot choose an address for torch.distributed's rendezvous "
+                             "(no network interface 'nosuch0'") == 2, proc.stdout
+
+
+def test_the_rendezvous_address_is_never_the_loopback_a_host_name_maps_to(monkeypatch):
+    import socket
+
+    from commwire.comm import torch_transport as tt
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts entry
+    try:
+        address = tt.rendezvous_address()  # the default route's source address
+    except OSError as exc:  # no default route on this machine: the error says so
+        assert "no default route" in str(exc)
+    else:
+        assert not address.startswith("127."), address
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert tt.rendezvous_address() == "10.1.2.3"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^docker,lo")  # an exclusion list names no interface to use
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "l")  # a prefix, as NCCL's are
+    assert tt.interface_address("lo") == tt.rendezvous_address() == "127.0.0.1"
+    with pytest.raises(OSError, match="no network interface 'nosuch0' on this host"):
+        tt.interface_address("nosuch0")
+
+
 def test_transports_table_shows_the_tuned_segment_of_compressed_rows():
     from commwire.bench.transports import format_table
 
