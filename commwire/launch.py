@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ._validate import positive_int
-from .comm.rankenv import SLURM_MPI_PLUGINS, slurm_mpi_type
+from .comm.rankenv import SLURM_MPI_PLUGINS, is_this_machine, slurm_mpi_type
 
 __all__ = ["Launcher", "LAUNCHER_KINDS", "find_launcher", "build_command", "parse_hosts", "parse_hostfile",
            "hosts_are_local", "check_command", "wrap_python", "wrap_program", "slurm_mpi_plugin", "mpi4py_vendor",
@@ -165,15 +164,11 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
     return pairs
 
 
-_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
 
 
 def hosts_are_local(pairs: Sequence[tuple[str, int]] | None) -> bool:
     """Return whether every host in ``pairs`` (None: no hosts given) is this machine."""
-    if not pairs:
-        return True
-    mine = _LOCAL_NAMES | {socket.gethostname(), socket.gethostname().split(".")[0]}
-    return all(host in mine for host, _ in pairs)
+    return not pairs or all(is_this_machine(host) for host, _ in pairs)
 
 
 _PY_OPTS_WITH_VALUE = {"-W", "-X", "-Q"}

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = ["LAUNCHER_VARIABLES", "SLURM_MPI_PLUGINS", "LauncherRanks", "launcher_ranks", "torch_variables",
-           "LoneStart", "lone_start", "host_id", "slurm_mpi_type"]
+           "LoneStart", "lone_start", "host_id", "slurm_mpi_type", "is_this_machine"]
 
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     # MPICH/Intel MPI (Hydra, PMI), Open MPI, Slurm (srun), PMIx (Open MPI 5, srun --mpi=pmix)
@@ -167,6 +167,16 @@ def lone_start(mpi_size: int, environ: Mapping[str, str] | None = None,
     if torch_world is not None and torch_world > 1:
         return LoneStart("torch.distributed", f"torch.distributed.get_world_size() = {torch_world}", torch_world)
     return None
+
+
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+
+
+def is_this_machine(host: str) -> bool:
+    """Return whether the host name ``host`` (as given to a launcher) names the machine this process runs on."""
+    import socket
+
+    return host in _LOCAL_NAMES | {socket.gethostname(), socket.gethostname().split(".")[0]}
 
 
 def host_id() -> str:

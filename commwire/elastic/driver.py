@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..comm.rankenv import is_this_machine
 from ..comm.ranklog import read_statuses
 from .spool import host_dir
 
@@ -318,11 +319,21 @@ def _silent(statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def _lost_hosts(statuses: dict[str, dict[str, Any]], used: Hosts) -> list[str]:
     """Return the host of the rank that died first without reporting (killed), if the status files tell.
 
+    The rank's status names its host as the host knows itself; where the hosts were given
+    otherwise (addresses, say), the launcher's placement tells: it fills each host's slots in
+    order. A rank that died on the machine the driver runs on blames no host: that one is alive.
     Ranks whose status files this machine cannot see (another host, no shared filesystem)
     blame nobody: the discovery script is then what drops a dead host.
     """
     silent = _silent(statuses)
     if not silent:
         return []
-    host = min(silent, key=lambda e: e["died"]).get("host")
-    return [host] if host in dict(used) else []
+    first = min(silent, key=lambda e: e["died"])
+    host = first.get("host")
+    if host in dict(used):
+        return [host]
+    placed = [h for h, slots in used for _ in range(slots)]
+    rank = str(first.get("rank", ""))
+    if rank.isdigit() and int(rank) < len(placed) and not is_this_machine(placed[int(rank)]):
+        return [placed[int(rank)]]
+    return []

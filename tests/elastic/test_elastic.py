@@ -324,6 +324,23 @@ def test_driver_blacklists_a_killed_host_and_relaunches_on_the_rest():
     assert "reset 1: host lost: b" in echoed[0]
 
 
+def test_a_killed_rank_blames_its_host_by_placement_when_hosts_are_given_as_addresses():
+    from commwire.elastic.driver import _lost_hosts
+
+    def statuses(dead_rank, host):
+        out = {str(r): {"rank": str(r), "host": f"node{r // 2}", "status": "running"} for r in range(4)}
+        out[str(dead_rank)].update(host=host, died=1.0)
+        return out
+
+    by_address = [("10.0.0.1", 2), ("10.0.0.2", 2)]
+    assert _lost_hosts(statuses(3, "node1"), by_address) == ["10.0.0.2"]  # the launcher fills slots in order
+    assert _lost_hosts(statuses(0, "node0"), by_address) == ["10.0.0.1"]
+    assert _lost_hosts(statuses(2, "b"), [("a", 2), ("b", 2)]) == ["b"]  # the host names itself as given
+    # a rank that died on the driver's own machine blames no host: that one is alive
+    assert _lost_hosts(statuses(1, "vm-x"), [("localhost", 2), ("10.0.0.2", 2)]) == []
+    assert _lost_hosts(statuses(3, "node1"), [("10.0.0.1", 2)]) == []  # a rank the placement does not know
+
+
 def test_driver_relaunches_after_a_host_update_and_caps_at_max_np():
     driver, launches, _ = _driver(["restart", "ok"], max_np=5, np=4)
     assert driver.run() == 0
