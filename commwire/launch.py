@@ -164,8 +164,6 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
     return pairs
 
 
-
-
 def hosts_are_local(pairs: Sequence[tuple[str, int]] | None) -> bool:
     """Return whether every host in ``pairs`` (None: no hosts given) is this machine."""
     return not pairs or all(is_this_machine(host) for host, _ in pairs)
@@ -283,7 +281,7 @@ def build_command(
     if launcher.kind == "slurm":
         argv += ["-n", str(np), "--export=" + ",".join(["ALL"] + [f"{k}={v}" for k, v in env.items()])]
         # As mpiexec does, end the job when a rank dies: by default srun lets the others wait for it for ever.
-        if not any(a == "-K" or a.startswith(("--kill-on-bad-exit", "-K")) for a in mpi_args or []):
+        if not any(a.startswith(("--kill-on-bad-exit", "-K")) for a in mpi_args or []):
             argv.append("--kill-on-bad-exit=1")
         needed, offered = launcher.mpi_plugin, launcher.mpi_plugins_offered
         if needed and not any(a == "--mpi" or a.startswith("--mpi=") for a in mpi_args or []):

@@ -212,9 +212,8 @@ def _run_elastic(opts: Any, command: tuple[str, ...], cmd: list[str], env: dict[
             job_env = {k: v for k, v in lab_env.items() if os.environ.get(k) != v}
         else:
             assert launcher is not None
-            argv = horovodrun.launcher_prefix(launcher.kind, hvd) + launch.build_command(
-                launcher, np_, cmd, hosts=",".join(f"{h}:{s}" for h, s in used), env=job_env,
-                mpi_args=extra + horovodrun.launcher_args(launcher.kind, hvd) + mpi_args)
+            argv = _launcher_argv(launcher, np_, cmd, hvd=hvd, mpi_args=extra + mpi_args, env=job_env,
+                                  hosts=",".join(f"{h}:{s}" for h, s in used))
         if verbose:
             click.echo(f"commwire run: launcher command: {shlex.join(argv)}", err=True)
         return argv, job_env
@@ -269,9 +268,17 @@ def _launch_argv(np_: int, command: tuple[str, ...], cmd: list[str], env: dict[s
     launcher = launch.find_launcher(launcher_kind)
     if local and check_program:  # a remote host may have what this one lacks: there, let the launcher say
         launch.check_command(command, env={**os.environ, **env})
-    mpi_args = horovodrun.launcher_args(launcher.kind, hvd) + mpi_args
-    argv = launch.build_command(launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env, mpi_args=mpi_args)
-    return horovodrun.launcher_prefix(launcher.kind, hvd) + argv, env, local
+    argv = _launcher_argv(launcher, np_, cmd, hvd=hvd, mpi_args=mpi_args, env=env, hosts=hosts, hostfile=hostfile)
+    return argv, env, local
+
+
+def _launcher_argv(launcher: launch.Launcher, np_: int, cmd: list[str], *, hvd: dict[str, Any],
+                   mpi_args: list[str], env: dict[str, str], hosts: str | None = None,
+                   hostfile: str | None = None) -> list[str]:
+    """Return ``launcher``'s command for ``cmd`` with horovodrun's launcher options (``hvd``) before ``mpi_args``."""
+    return horovodrun.launcher_prefix(launcher.kind, hvd) + launch.build_command(
+        launcher, np_, cmd, hosts=hosts, hostfile=hostfile, env=env,
+        mpi_args=horovodrun.launcher_args(launcher.kind, hvd) + mpi_args)
 
 
 def _on_this_machine(launcher_kind: str | None, pairs: Sequence[tuple[str, int]] | None) -> bool:

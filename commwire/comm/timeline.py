@@ -129,10 +129,10 @@ class Timeline:
         Every rank's part goes to rank 0 in chunks of 8 MiB, so neither side
         holds a whole timeline in memory; the per-rank files are removed.
         """
-        collect_parts(mpi_comm, self, self._take())
+        _collect_parts(mpi_comm, self, self._take())
 
 
-def collect_parts(mpi_comm: Any, recorder: Timeline | None, fd: int | None) -> None:
+def _collect_parts(mpi_comm: Any, recorder: Timeline | None, fd: int | None) -> None:
     """Send this rank's part (``recorder``'s, if any) to rank 0, which appends them all to its open ``fd``."""
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     if rank != 0:
