@@ -8,19 +8,20 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from .._validate import positive_int
 from .netns import require_tools, status
+from .shim import write_shim
 from .spec import HOST_IFACE, LabSpec
 
 __all__ = ["launch_args", "placement", "LAB_ENV"]
 
-# Without these MPICH sees one hostname for all namespaces and silently moves every
-# byte through shared memory; with them each rank talks TCP (libfabric's tcp
-# provider) over the lab interface, the only one that reaches other hosts.
+# Each lab host has its own host name (the launcher shim's UTS namespace), so MPICH keeps
+# shared memory for the ranks of one host, as on a real node; between hosts every rank
+# talks TCP (libfabric's tcp provider) over the lab interface, the only one that reaches
+# other hosts.
 LAB_ENV = {
-    "MPIR_CVAR_NOLOCAL": "1",
-    "MPIR_CVAR_CH4_SHM_ENABLE": "0",
     "MPIR_CVAR_CH4_NETMOD": "ofi",
     "FI_PROVIDER": "tcp",
     "FI_TCP_IFACE": HOST_IFACE,
@@ -75,14 +76,18 @@ def launch_args(np: int, env: Mapping[str, str],
     Append the user command to the prefix and run it with the returned environment.
     *hosts* (lab host names and rank counts, as the elastic driver chooses them)
     replaces the default placement over every lab host.
-    mpiexec itself runs inside cw-h0 (so Hydra's proxies connect back to a lab
-    address, and the root namespace needs none); Hydra starts the other hosts'
-    proxies through the lab's ssh shim. Ranks are placed in blocks (see `placement`).
-    The environment is *env* plus `LAB_ENV` (forced: the shared-memory fallback is
-    silent) and this Python's directory first on PATH, so ranks use the same venv.
+    mpiexec itself runs inside cw-h0 under that host's name (so Hydra's proxies
+    connect back to a lab address, the root namespace needs none, and Hydra starts
+    cw-h0's own ranks itself); Hydra starts the other hosts' proxies through the
+    lab's ssh shim, which names each host alike. Ranks are placed in blocks (see `placement`).
+    The environment is *env* plus `LAB_ENV` (forced: MPICH must take the tcp provider on
+    the lab interface) and this Python's directory first on PATH, so ranks use the same venv.
     """
-    ip = require_tools()["ip"]
+    tools = require_tools()
     spec = _ready(status(), None if hosts is None else [h for h, _ in hosts])
+    # A lab brought up by an older commwire has a shim without the hosts' own names, with
+    # which MPICH would take shared memory across lab hosts: write the current one.
+    write_shim(Path(spec.shim), tools["ip"], tools["unshare"])
     if hosts is not None:
         unknown = [h for h, _ in hosts if h not in spec.names]
         if unknown or sum(c for _, c in hosts) != np:
@@ -106,7 +111,8 @@ def launch_args(np: int, env: Mapping[str, str],
     hostlist = ",".join(f"{name}:{count}" for name, count in chosen)
     out["MASTER_ADDR"] = spec.addresses[spec.names.index(chosen[0][0])]
     argv = [
-        ip, "netns", "exec", chosen[0][0], _mpiexec(out),
+        tools["ip"], "netns", "exec", chosen[0][0], tools["unshare"], "--uts", "--",
+        "sh", "-c", 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', chosen[0][0], _mpiexec(out),
         "-launcher", "ssh", "-launcher-exec", spec.shim,
         "-hosts", hostlist, "-n", str(np),
     ]

@@ -31,18 +31,21 @@ _TBF_LATENCY = "50ms"
 
 
 def require_tools() -> dict[str, str]:
-    """Return absolute paths of `ip` and `tc`, refusing clearly when not root or when missing."""
+    """Return absolute paths of `ip`, `tc` and `unshare`, refusing clearly when not root or when missing."""
     if os.geteuid() != 0:
         raise PermissionError(
             "commwire lab needs root to create network namespaces and tc qdiscs; rerun with sudo"
         )
     # sudo and cron often drop /usr/sbin from PATH, where iproute2 lives.
-    found = {name: shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin") for name in ("ip", "tc")}
+    found = {name: shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+             for name in ("ip", "tc", "unshare")}
     missing = [name for name, path in found.items() if path is None]
     if missing:
+        packages = " ".join(p for p, tools in (("iproute2", {"ip", "tc"}), ("util-linux", {"unshare"}))
+                            if tools & set(missing))
         raise RuntimeError(
-            f"commwire lab needs {' and '.join(missing)}, not found on PATH; install iproute2 "
-            "(e.g. `apt-get install iproute2`)"
+            f"commwire lab needs {' and '.join(missing)}, not found on PATH; install {packages} "
+            f"(e.g. `apt-get install {packages}`)"
         )
     return {name: str(path) for name, path in found.items()}
 
@@ -184,7 +187,7 @@ def _hosts_file(spec: LabSpec) -> str:
 
 def _build(tools: dict[str, str], spec: LabSpec) -> None:
     """Create namespaces, bridge, links, limits, hosts files and shim of *spec*."""
-    ip, tc = tools["ip"], tools["tc"]
+    ip, tc, unshare = tools["ip"], tools["tc"], tools["unshare"]
     _run([ip, "netns", "add", SWITCH], "creating the switch namespace",
          "the kernel needs network namespace support (CONFIG_NET_NS)")
     _run([ip, "-n", SWITCH, "link", "add", BRIDGE, "type", "bridge"],
@@ -208,7 +211,7 @@ def _build(tools: dict[str, str], spec: LabSpec) -> None:
         etc = _NETNS_ETC / name
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(hosts)
-    write_shim(Path(spec.shim), ip)
+    write_shim(Path(spec.shim), ip, unshare)
 
 
 def up(hosts: int, bandwidth: str = "1gbit") -> LabSpec:

@@ -11,7 +11,9 @@ __all__ = ["write_shim"]
 # Hydra's ssh launcher calls "<launcher-exec> -x HOST 'CMD' ARGS...", like `ssh -x host cmd`.
 # sshd would hand the joined words to the remote shell; `sh -c "$*"` does the same inside
 # the host's namespace. `ip netns exec` keeps the environment (PATH, the venv) and
-# bind-mounts /etc/netns/HOST/hosts so every lab host name resolves there.
+# bind-mounts /etc/netns/HOST/hosts so every lab host name resolves there. `unshare --uts`
+# gives the host its own host name, as a real host has: MPICH then keeps shared memory for
+# the ranks of one lab host and sends everything else over the lab's links.
 _TEMPLATE = """#!/bin/sh
 # commwire lab: Hydra launcher shim (ssh HOST CMD -> ip netns exec HOST sh -c CMD)
 while [ $# -gt 0 ]; do
@@ -31,13 +33,13 @@ case "$host" in
     cw-h[0-9]*) ;;
     *) echo "commwire lab shim: $host is not a lab host (cw-hN); is the lab up?" >&2; exit 255 ;;
 esac
-exec {ip} netns exec "$host" sh -c "$*"
+exec {ip} netns exec "$host" {unshare} --uts -- sh -c 'echo "$0" > /proc/sys/kernel/hostname && exec sh -c "$1"' "$host" "$*"
 """
 
 
-def write_shim(path: Path, ip: str) -> Path:
-    """Write the launcher shim to *path*, calling *ip* by absolute path, and make it executable."""
+def write_shim(path: Path, ip: str, unshare: str) -> Path:
+    """Write the launcher shim to *path*, calling *ip* and *unshare* by absolute path, and make it executable."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_TEMPLATE.format(ip=shlex.quote(ip)))
+    path.write_text(_TEMPLATE.format(ip=shlex.quote(ip), unshare=shlex.quote(unshare)))
     os.chmod(path, 0o755)
     return path
