@@ -81,6 +81,7 @@ def allreduce(
     out: Any = None,
     name: str | None = None,
     comm: Communicator | None = None,
+    hierarchical: Any = None,
 ) -> Any:
     """Reduce ``x`` over all ranks; with ``codec`` the wire carries encoded payloads.
 
@@ -91,12 +92,15 @@ def allreduce(
         out: array to write the result into (``out=x`` for in place).
         name: label for statistics, the timeline and codec state.
         comm: communicator (default: the world).
+        hierarchical: with a codec: True reduces losslessly inside each node and encodes only
+            across nodes; an int groups that many consecutive ranks instead; None: the
+            ``COMMWIRE_HIERARCHICAL`` default (flat unless set).
     """
     if codec is None or codec == "none":
         return default_comm(comm).allreduce(x, op, out=out, name=name)
     from .codecs.collective import compressed_allreduce
 
-    return compressed_allreduce(default_comm(comm), x, op, codec=codec, out=out, name=name)
+    return compressed_allreduce(default_comm(comm), x, op, codec=codec, out=out, name=name, hierarchical=hierarchical)
 
 
 def allreduce_async(
@@ -107,13 +111,15 @@ def allreduce_async(
     out: Any = None,
     name: str | None = None,
     comm: Communicator | None = None,
+    hierarchical: Any = None,
 ) -> Handle:
     """Start an all-reduce (optionally compressed); ``wait()`` on the handle gives the result."""
     if codec is None or codec == "none":
         return default_comm(comm).allreduce_async(x, op, out=out, name=name)
     from .codecs.collective import compressed_allreduce_async
 
-    return compressed_allreduce_async(default_comm(comm), x, op, codec=codec, out=out, name=name)
+    return compressed_allreduce_async(default_comm(comm), x, op, codec=codec, out=out, name=name,
+                                      hierarchical=hierarchical)
 
 
 def allgather(x: Any, *, codec: Any = None, counts: Any = None, name: str | None = None,

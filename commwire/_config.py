@@ -17,6 +17,7 @@ unknown or malformed value raises ``ValueError`` naming the variable.
 | COMMWIRE_TIMEOUT | seconds | stall watchdog: report a collective waiting this long (default 300, 0 = off) |
 | COMMWIRE_ON_STALL | abort/warn | what the watchdog does after its report (default abort) |
 | COMMWIRE_CODEC_THREADS | int | CPU threads per rank for codec kernels (default, or 0: cores / ranks on the node) |
+| COMMWIRE_HIERARCHICAL | 0/node/int | compressed all-reduces: lossless inside each node (or group of that many consecutive ranks), the codec only across nodes (default 0: flat) |
 | COMMWIRE_TRANSPORT | mpi/torch | what carries the world's data: MPI (default) or torch.distributed (gloo, NCCL) |
 | COMMWIRE_ELASTIC | ulfm/relaunch | set by ``commwire run``'s elastic options: how a lost peer is re-formed |
 | COMMWIRE_ELASTIC_DIR | path | set by ``commwire run`` (elastic): host notices and each host's kept commit |
@@ -50,6 +51,7 @@ VARIABLES = (
     "COMMWIRE_ON_STALL",
     "COMMWIRE_CODEC_THREADS",
     "COMMWIRE_TRANSPORT",
+    "COMMWIRE_HIERARCHICAL",
     "COMMWIRE_ELASTIC",
     "COMMWIRE_ELASTIC_DIR",
     "COMMWIRE_ELASTIC_VERSION",
@@ -63,6 +65,9 @@ HOROVOD_VARIABLES = {
     "HOROVOD_STALL_CHECK_DISABLE": "1 turns commwire's stall watchdog off",
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "seconds before the stall watchdog reports (on_stall='warn')",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "seconds before the stall watchdog aborts the job",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "1: compressed all-reduces reduce losslessly inside each node and run the codec "
+                                      "across nodes (COMMWIRE_HIERARCHICAL); uncompressed ones: MPI picks the "
+                                      "algorithm",
 }
 """Horovod's variables that ``commwire.torch`` honours (name -> what it does there); COMMWIRE_* ones win."""
 

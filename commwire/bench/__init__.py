@@ -24,7 +24,7 @@ from types import ModuleType
 
 __all__ = ["MODULES", "STUDIES", "registry"]
 
-MODULES = ("allreduce", "transports", "codecs", "glm", "torch_ddp", "grouped", "ddp", "fsdp", "agreement", "faults",
+MODULES = ("allreduce", "transports", "hierarchical", "codecs", "glm", "torch_ddp", "grouped", "ddp", "fsdp", "agreement", "faults",
            "project", "suite")
 """The benchmark modules of this package, in the order ``commwire bench --help`` lists them."""
 

@@ -51,6 +51,7 @@ from ..comm.buffers import check_out, describe, device_of, op_label, split_rows
 from ..comm.communicator import Communicator, Signature
 from ..comm.handle import Handle
 from .base import Codec, Span
+from .hierarchical import blocks, hierarchy_setting, levels_of
 
 __all__ = ["compressed_allreduce", "compressed_allreduce_async", "resolve_codec", "shared_codecs", "PEER_CHOICES",
            "TUNE_CALLS", "FIRST_PEER_BYTES", "SMALL_BYTES", "ALIGN", "last_wire_bytes", "segments", "segment_bytes_for",
@@ -594,6 +595,7 @@ def compressed_allreduce(
     name: str | None = None,
     segment_bytes: int | None = None,
     small_bytes: int = SMALL_BYTES,
+    hierarchical: Any = None,
 ) -> Any:
     """Sum or average ``x`` over ``comm`` with ``codec`` payloads on the wire.
 
@@ -609,6 +611,10 @@ def compressed_allreduce(
         segment_bytes: FP32 bytes per pipeline segment; default: tuned on the first calls of each
             size among ``PEER_CHOICES`` payload bytes per peer (see ``_Tuner``).
         small_bytes: below this size use the single-Allgather variant.
+        hierarchical: True or "node": reduce losslessly inside each node and run the codec only
+            across nodes (``commwire.codecs.hierarchical``); an int: groups of that many
+            consecutive ranks instead of nodes; False: flat; None (default): the process
+            default (``COMMWIRE_HIERARCHICAL``, off unless set).
 
     Returns:
         The reduced array, same kind, dtype, shape and device as ``x``.
@@ -639,8 +645,12 @@ def compressed_allreduce(
         error = exc
     shape = tuple(int(d) for d in x.shape) if dtype is not None else None
     shape, dtype_label = (shape, str(dtype)) if dtype is not None else describe(x)
+    try:
+        hierarchy = hierarchy_setting(hierarchical)
+    except ValueError as exc:
+        hierarchy, error = None, error or exc
     sig = Signature("compressed_allreduce", name, shape, dtype_label, op_label(op),
-                    codec=(codec.spec, segment_bytes, small_bytes), device=device_of(x))
+                    codec=(codec.spec, segment_bytes, small_bytes, hierarchy), device=device_of(x))
     average = sig.op != "sum"
     key = name if name is not None else ("shape", shape)
 
@@ -657,7 +667,7 @@ def compressed_allreduce(
                                    or (out is not x and np.may_share_memory(direct, flat))):
             direct = None
         result = direct.reshape(-1) if direct is not None else np.empty(flat.size, dtype=_F32)
-        run = _reduce_flat(comm, codec, key, flat, result, average, segment_bytes, small_bytes)
+        run = _reduce_flat(comm, codec, key, flat, result, average, segment_bytes, small_bytes, hierarchy=hierarchy)
         codec.tensor_inverse(result, key)
         adapter.release(host)
         if direct is not None:
@@ -684,7 +694,8 @@ def compressed_allreduce(
         into_out = (target is not None and target.dtype == space.torch.float32 and target.is_contiguous()
                     and (out is x or not _overlaps(target, flat)))
         result = target.reshape(-1) if into_out else space.empty_f32(int(flat.shape[0]))
-        run = _reduce_flat(comm, codec, key, flat, result, average, segment_bytes, small_bytes, space=space)
+        run = _reduce_flat(comm, codec, key, flat, result, average, segment_bytes, small_bytes, space=space,
+                           hierarchy=hierarchy)
         codec.tensor_inverse(result, key)
         if into_out:
             value = out
@@ -701,7 +712,8 @@ def compressed_allreduce(
     def dummy(agreed_sig: tuple[Any, ...]) -> None:
         n = int(np.prod(agreed_sig.shape, dtype=np.int64))
         flat = np.zeros(n, dtype=_F32)
-        _reduce_flat(comm, codec, None, flat, np.empty_like(flat), average, segment_bytes, small_bytes, dry=True)
+        _reduce_flat(comm, codec, None, flat, np.empty_like(flat), average, segment_bytes, small_bytes, dry=True,
+                     hierarchy=agreed_sig.codec[3])
 
     return comm.run_collective(sig, error, run_host if space is None else run_device, dummy)
 
@@ -763,8 +775,14 @@ def _overlaps(a: Any, b: Any) -> bool:
 
 
 def _reduce_flat(comm: Communicator, codec: Codec, key: Hashable, flat: Any, result: Any, average: bool,
-                 segment_bytes: int | None, small_bytes: int, dry: bool = False, space: _HostSpace = _HOST) -> _Run:
+                 segment_bytes: int | None, small_bytes: int, dry: bool = False, space: _HostSpace = _HOST,
+                 hierarchy: tuple[int | str, bool] | None = None) -> _Run:
     """Reduce one flat FP32 vector into ``result`` (a dry run moves zeros in the same message pattern)."""
+    if hierarchy is not None and comm.size > 1:
+        levels = levels_of(comm, *hierarchy)
+        if levels is not None:
+            return _reduce_levels(comm, levels, codec, key, flat, result, average, segment_bytes, small_bytes, dry,
+                                  space)
     run = _Run(comm, codec, key, average, dry=dry, space=space)
     n = int(flat.shape[0])
     if n * 4 < small_bytes or comm.size == 1:
@@ -777,6 +795,31 @@ def _reduce_flat(comm: Communicator, codec: Codec, key: Hashable, flat: Any, res
         t0 = _perf()
         run.pipelined(flat, result, seg)
         tuner.record(comm, seg, _perf() - t0)
+    return run
+
+
+def _reduce_levels(comm: Communicator, levels: Any, codec: Codec, key: Hashable, flat: Any, result: Any,
+                   average: bool, segment_bytes: int | None, small_bytes: int, dry: bool, space: _HostSpace) -> _Run:
+    """Reduce ``flat`` in FP32 inside each group and with ``codec`` across groups (``commwire.codecs.hierarchical``).
+
+    Returns the across-group step's run: its bytes are the ones that leave a node.
+    """
+    inner, cross = levels.inner, levels.cross
+    if levels.groups == 1:  # one node: exact, no byte is encoded
+        space.copy(result, inner.allreduce(flat, "avg" if average else "sum"))
+        return _Run(cross, codec, key, average, dry=dry, space=space)
+    counts = blocks(int(flat.shape[0]), levels.per_group, ALIGN)
+    lo = int(counts[:inner.rank].sum())
+    mine = result[lo:lo + int(counts[inner.rank])]
+    block = inner.reduce_scatter(flat, "sum", counts=counts)
+    if mine.shape[0]:  # every rank of this cross group has a block of the same size
+        run = _reduce_flat(cross, codec, (key, "cross"), block, mine, False, segment_bytes, small_bytes, dry=dry,
+                           space=space)
+        if average and not dry:
+            space.scale(mine, 1.0 / comm.size)
+    else:
+        run = _Run(cross, codec, key, average, dry=dry, space=space)
+    space.copy(result, inner.allgather(mine))
     return run
 
 

@@ -20,7 +20,6 @@ NO_EFFECT = {
     "HOROVOD_CYCLE_TIME": "commwire starts each collective when it is called; there is no negotiation cycle",
     "HOROVOD_TIMELINE_MARK_CYCLES": "there are no negotiation cycles to mark",
     "HOROVOD_CACHE_CAPACITY": "commwire remembers 4096 agreed signatures per communicator",
-    "HOROVOD_HIERARCHICAL_ALLREDUCE": "MPI picks the all-reduce algorithm",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "MPI picks the all-gather algorithm",
     "HOROVOD_TORUS_ALLREDUCE": "no NCCL torus all-reduce",
     "HOROVOD_AUTOTUNE": "commwire tunes the compressed all-reduce's segments itself",
@@ -49,7 +48,7 @@ NO_EFFECT = {
     "HOROVOD_MPI_THREADS_DISABLE": "commwire needs MPI thread level 'multiple' for its background lanes",
 }
 # Switches whose "off" (0) is what commwire does anyway: set to 0 they are no setting lost.
-_OFF_IS_COMMWIRES = {"HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER",
+_OFF_IS_COMMWIRES = {"HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_HIERARCHICAL_ALLGATHER",
                      "HOROVOD_TORUS_ALLREDUCE", "HOROVOD_AUTOTUNE", "HOROVOD_MPI_THREADS_DISABLE",
                      "HOROVOD_LOG_HIDE_TIME", "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_ENABLE_XLA_OPS"}
 _LAUNCHER = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
@@ -79,8 +78,12 @@ def init_kwargs() -> dict[str, Any]:
 
 
 def apply_at_init() -> None:
-    """Validate the honoured variables and warn once about those without effect."""
+    """Validate and apply the honoured variables; warn once about those without effect."""
     fusion_threshold_bytes()
+    if _config.env_str("COMMWIRE_HIERARCHICAL") is None:
+        from ..codecs.hierarchical import set_default_hierarchy
+
+        set_default_hierarchy(_config.env_bool("HOROVOD_HIERARCHICAL_ALLREDUCE") or None)
     ignored = []
     for name, value in _config.set_variables("HOROVOD_").items():
         if name in HONOURED or name in _LAUNCHER:

@@ -96,3 +96,29 @@ def test_every_variable_is_documented_on_the_configuration_page():
     page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     missing = [name for name in (*_config.VARIABLES, *_config.HOROVOD_VARIABLES) if f"`{name}`" not in page]
     assert not missing, f"docs/configuration.md lacks {missing}: add a row for each"
+
+
+def test_hierarchical_allreduce_setting_from_commwire_or_horovod(monkeypatch):
+    pytest.importorskip("torch")
+    from commwire.codecs.hierarchical import hierarchy_setting, set_default_hierarchy
+    from commwire.torch import _env
+
+    try:
+        monkeypatch.delenv("COMMWIRE_HIERARCHICAL", raising=False)
+        monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
+        _env.apply_at_init()  # hvd.init(): Horovod's switch becomes the default
+        assert hierarchy_setting(None) == ("node", False)
+        assert hierarchy_setting(False) is None  # an explicit argument wins
+        monkeypatch.setenv("COMMWIRE_HIERARCHICAL", "0")  # commwire's own variable wins over Horovod's
+        set_default_hierarchy(None)
+        _env.apply_at_init()
+        assert hierarchy_setting(None) is None
+        monkeypatch.setenv("COMMWIRE_HIERARCHICAL", "8")
+        set_default_hierarchy(None)
+        assert hierarchy_setting(None) == (8, False)
+        monkeypatch.setenv("COMMWIRE_HIERARCHICAL", "nodes")
+        set_default_hierarchy(None)
+        with pytest.raises(ValueError, match="COMMWIRE_HIERARCHICAL='nodes' is not valid"):
+            hierarchy_setting(None)
+    finally:
+        set_default_hierarchy(None)
