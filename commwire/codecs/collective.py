@@ -77,6 +77,10 @@ TUNE_MARGIN = 0.05
 """A larger segment is chosen only when it is this much faster than every smaller one."""
 SMALL_BYTES = 64 << 10
 """Below this many FP32 bytes the single-Allgather variant is used."""
+LEVEL_CHUNK_BYTES = 16 << 20
+"""FP32 bytes per chunk of a hierarchical all-reduce (``_reduce_levels``): each chunk's across-group step
+overlaps the next chunk's reduce-scatter and the previous one's all-gather inside the group. Lab, 2 hosts x
+2 ranks at 1 Gbit/s, 64 MiB FP8: 213 ms per call with 16 MiB chunks, 228 with 8, 325 with 4, 320 whole."""
 ALIGN = 128
 """Elements per alignment unit: chunk and segment boundaries fall on whole quantisation blocks
 (NVFP4: 16, block FP8: up to 128), so every block is encoded by one rank with one scale."""
@@ -802,25 +806,50 @@ def _reduce_levels(comm: Communicator, levels: Any, codec: Codec, key: Hashable,
                    average: bool, segment_bytes: int | None, small_bytes: int, dry: bool, space: _HostSpace) -> _Run:
     """Reduce ``flat`` in FP32 inside each group and with ``codec`` across groups (``commwire.codecs.hierarchical``).
 
-    Returns the across-group step's run: its bytes are the ones that leave a node.
+    Tensors above ``LEVEL_CHUNK_BYTES`` go in chunks: while one chunk crosses the network on this
+    thread, the next chunk's reduce-scatter and the previous one's all-gather run on the group's
+    lane. Returns one run totalling the across-group steps: their bytes are the ones that leave a node.
     """
     inner, cross = levels.inner, levels.cross
+    total = _Run(cross, codec, key, average, dry=dry, space=space)
     if levels.groups == 1:  # one node: exact, no byte is encoded
         space.copy(result, inner.allreduce(flat, "avg" if average else "sum"))
-        return _Run(cross, codec, key, average, dry=dry, space=space)
-    counts = blocks(int(flat.shape[0]), levels.per_group, ALIGN)
-    lo = int(counts[:inner.rank].sum())
-    mine = result[lo:lo + int(counts[inner.rank])]
-    block = inner.reduce_scatter(flat, "sum", counts=counts)
-    if mine.shape[0]:  # every rank of this cross group has a block of the same size
-        run = _reduce_flat(cross, codec, (key, "cross"), block, mine, False, segment_bytes, small_bytes, dry=dry,
-                           space=space)
-        if average and not dry:
-            space.scale(mine, 1.0 / comm.size)
-    else:
-        run = _Run(cross, codec, key, average, dry=dry, space=space)
-    space.copy(result, inner.allgather(mine))
-    return run
+        return total
+    n = int(flat.shape[0])
+    if n == 0:
+        return total
+    unit = ALIGN * levels.per_group
+    step = max(unit, LEVEL_CHUNK_BYTES // 4 // unit * unit)
+    spans = [(a, min(a + step, n)) for a in range(0, n, step)]
+    if n - spans[-1][0] < step // 2 and len(spans) > 1:  # no short last chunk
+        spans[-2:] = [(spans[-2][0], n)]
+
+    def scatter(lane: Communicator, a: int, b: int) -> Any:
+        return lane.reduce_scatter(flat[a:b], "sum", counts=blocks(b - a, levels.per_group, ALIGN))
+
+    gathers = []
+    pending = inner.submit(scatter, *spans[0])
+    for k, (a, b) in enumerate(spans):
+        following = inner.submit(scatter, *spans[k + 1]) if k + 1 < len(spans) else None
+        block = pending.wait()
+        counts = blocks(b - a, levels.per_group, ALIGN)
+        lo = a + int(counts[:inner.rank].sum())
+        mine = result[lo:lo + int(counts[inner.rank])]
+        if mine.shape[0]:  # every rank of this cross group has a block of the same size
+            run = _reduce_flat(cross, codec, (key, "cross", k), block, mine, False, segment_bytes, small_bytes,
+                               dry=dry, space=space)
+            if average and not dry:
+                space.scale(mine, 1.0 / comm.size)
+            total.wire_sent += run.wire_sent
+            total.encoded_elems += run.encoded_elems
+            total.encoded_wire += run.encoded_wire
+            for phase, seconds in run.times.items():
+                total.times[phase] += seconds
+        gathers.append((a, b, inner.submit(Communicator.allgather, mine)))
+        pending = following
+    for a, b, gathered in gathers:
+        space.copy(result[a:b], gathered.wait())
+    return total
 
 
 def compressed_allreduce_async(comm: Communicator, x: Any, op: str = "sum", *, codec: Any, out: Any = None,

@@ -123,7 +123,7 @@ def levels_of(comm: Communicator, group: int | str, explicit: bool = True) -> Le
             _levels.setdefault(comm, {})[group] = found
     if isinstance(found, ValueError):
         if explicit:
-            raise found
+            raise ValueError(str(found))
         if comm not in _warned:
             _warned.add(comm)
             warnings.warn(f"COMMWIRE_HIERARCHICAL: compressed all-reduces over this communicator run flat: {found}",

@@ -72,15 +72,22 @@ class DDPHookState:
         process_group: DDP's process group (default: torch.distributed's default group).
         transport: "torch" (default): the buckets travel over DDP's process group itself (gloo,
             NCCL); "mpi": over an MPI communicator of the same ranks (MPI-only setups).
+        hierarchical: with a lossy codec, True reduces each bucket losslessly among the ranks of a
+            host and encodes it only between hosts; an int groups that many consecutive ranks;
+            None: the job's ``COMMWIRE_HIERARCHICAL`` (``commwire.codecs.hierarchical``).
 
     Pickles without its communicator and process group (as PowerSGDState drops its group).
     """
 
     def __init__(self, codec: Any = "none", comm: Communicator | None = None,
                  names: dict[torch.Tensor, str] | None = None, process_group: Any = None,
-                 transport: str = "torch") -> None:
+                 transport: str = "torch", hierarchical: Any = None) -> None:
         from ..codecs import get
         from ..codecs.base import Codec
+        from ..codecs.hierarchical import hierarchy_setting
+
+        hierarchy_setting(hierarchical)  # a bad value fails here, not at the first bucket
+        self.hierarchical = hierarchical
 
         self.codec = None if codec in (None, "none") else (get(codec) if isinstance(codec, str) else codec)
         if self.codec is not None and not isinstance(self.codec, Codec):
@@ -178,7 +185,8 @@ def _reduce_bucket(comm: Communicator, state: DDPHookState, buffer: torch.Tensor
         else:
             from ..codecs.collective import compressed_allreduce, last_wire_bytes
 
-            compressed_allreduce(comm, buffer, "avg", codec=state.codec, out=buffer, name=key)
+            compressed_allreduce(comm, buffer, "avg", codec=state.codec, out=buffer, name=key,
+                                 hierarchical=getattr(state, "hierarchical", None))
             sent = last_wire_bytes()  # this call's alone: the shared counters also count other threads' calls
         state.bytes_sent += int(sent)
         state.input_bytes += buffer.numel() * buffer.element_size()
@@ -222,8 +230,8 @@ _annotate()
 
 
 def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None,
-             comm: Communicator | None = None, process_group: Any = None, transport: str = "torch"
-             ) -> tuple[DDPHookState, Any]:
+             comm: Communicator | None = None, process_group: Any = None, transport: str = "torch",
+             hierarchical: Any = None) -> tuple[DDPHookState, Any]:
     """Return ``(state, hook)`` for ``ddp.register_comm_hook(state, hook)``.
 
     Args:
@@ -237,6 +245,9 @@ def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None
             (default: the default group). A DDP over a subgroup needs one of the two.
         transport: "torch" (default: each bucket travels over DDP's own process group,
             NCCL for CUDA buckets) or "mpi" (an MPI communicator over the same ranks).
+        hierarchical: True: each bucket is reduced losslessly among the ranks of a host and
+            encoded only between hosts (an int: groups of that many consecutive ranks); None:
+            the job's ``COMMWIRE_HIERARCHICAL``.
 
     Example:
         >>> state, hook = ddp_hook("ef+nvfp4", model=model)
@@ -248,4 +259,5 @@ def ddp_hook(codec: Any = "ef+fp8-e4m3", *, model: torch.nn.Module | None = None
         names = {p: n for n, p in module.named_parameters()}
         if process_group is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             process_group = model.process_group
-    return DDPHookState(codec, comm=comm, names=names, process_group=process_group, transport=transport), _hook
+    return (DDPHookState(codec, comm=comm, names=names, process_group=process_group, transport=transport,
+                         hierarchical=hierarchical), _hook)

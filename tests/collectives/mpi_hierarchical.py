@@ -39,17 +39,27 @@ def same_everywhere(arr: np.ndarray) -> bool:
     return len(set(COMM.allgather_object(zlib.crc32(np.ascontiguousarray(arr).tobytes())))) == 1
 
 
-@pytest.mark.parametrize("n", [1, 5, 128 * 2 + 3, 1000, 100_003])
+@pytest.fixture(params=[None, 64 << 10], ids=["whole", "chunked"])
+def chunks(request, monkeypatch):
+    """Run whole, or with 64 KiB chunks: the across-group step of one overlaps the group steps of others."""
+    from commwire.codecs import collective
+
+    if request.param:
+        monkeypatch.setattr(collective, "LEVEL_CHUNK_BYTES", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 128 * 2 + 3, 1000, 100_003])
 @pytest.mark.parametrize("op", ["sum", "avg"])
-def test_exact_where_bf16_is_exact(n, op):
+def test_exact_where_bf16_is_exact(n, op, chunks):
     want = np.sum([integers(n, r).astype(np.float64) for r in range(COMM.size)], axis=0)
     want = want / COMM.size if op == "avg" else want
-    got = compressed_allreduce(COMM, integers(n, COMM.rank), op, codec="bf16", name=f"exact{n}{op}", hierarchical=2)
+    got = compressed_allreduce(COMM, integers(n, COMM.rank), op, codec="bf16", name=f"exact{n}{op}{chunks}", hierarchical=2)
     assert got.dtype == np.float32 and got.shape == (n,)
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
-def test_shapes_dtypes_kinds_and_out():
+def test_shapes_dtypes_kinds_and_out(chunks):
     x = integers(6 * 700, COMM.rank).reshape(6, 700)
     want = np.sum([integers(6 * 700, r) for r in range(COMM.size)], axis=0).reshape(6, 700)
     f64 = compressed_allreduce(COMM, x.astype(np.float64), codec="bf16", name="f64", hierarchical=2)
@@ -66,10 +76,10 @@ def test_shapes_dtypes_kinds_and_out():
 
 
 @pytest.mark.parametrize("codec", ["fp8-e4m3", "ef+fp8-e4m3", "nvfp4"])
-def test_gaussian_within_the_flat_bound(codec):
+def test_gaussian_within_the_flat_bound(codec, chunks):
     n = 300_001
     want = np.sum([gaussian(n, r).astype(np.float64) for r in range(COMM.size)], axis=0)
-    got = compressed_allreduce(COMM, gaussian(n, COMM.rank), codec=codec, name=f"g{codec}", hierarchical=2)
+    got = compressed_allreduce(COMM, gaussian(n, COMM.rank), codec=codec, name=f"g{codec}{chunks}", hierarchical=2)
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     assert np.isfinite(got).all() and err < (0.2 if "nvfp4" in codec else 0.06), err
     assert same_everywhere(got)
@@ -133,3 +143,19 @@ def test_errors_reach_every_rank_and_the_next_call_works():
     want = np.sum([integers(4096, r) for r in range(COMM.size)], axis=0)
     got = compressed_allreduce(COMM, integers(4096, COMM.rank), codec="bf16", name="err", hierarchical=2)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "ef+fp8-e4m3"])
+def test_device_path_matches_the_host_path(codec, chunks):
+    # Inside cpu_standin torch CPU tensors take the device path (device buffers, codec kernels in torch):
+    # every mode sends the same messages, so the results are bit-identical to the host path's.
+    from commwire.comm import arrays
+
+    x = gaussian(70_001, COMM.rank)
+    host = compressed_allreduce(COMM, x, codec=codec, name=f"host{codec}{chunks}", hierarchical=2)
+    with arrays.cpu_standin():
+        t = torch.from_numpy(x.copy())
+        dev = compressed_allreduce(COMM, t, codec=codec, name=f"dev{codec}{chunks}", hierarchical=2)
+        compressed_allreduce(COMM, t, codec=codec, out=t, name=f"devin{codec}{chunks}", hierarchical=2)
+    np.testing.assert_array_equal(dev.numpy(), host)
+    np.testing.assert_array_equal(t.numpy(), host)

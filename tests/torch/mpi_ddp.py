@@ -40,14 +40,16 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(codec: str | None, steps: int = 20, bucket_cap_mb: float = 25, process_group: Any = None,
-           seed: int = 0, transport: str = "torch") -> tuple[torch.nn.Module, list[float], Any]:
+           seed: int = 0, transport: str = "torch", hierarchical: Any = None,
+           ) -> tuple[torch.nn.Module, list[float], Any]:
     """Train with plain DDP (codec None) or commwire's hook; return the model, the losses and the hook state."""
     model = _model(seed)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
     state = None
     if codec is not None:
         # Given the DDP module, the hook reduces over DDP's own process group.
-        state, hook = hvd.ddp_hook(codec, model=ddp if process_group is not None else model, transport=transport)
+        state, hook = hvd.ddp_hook(codec, model=ddp if process_group is not None else model, transport=transport,
+                                   hierarchical=hierarchical)
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     losses = []
@@ -128,6 +130,20 @@ def test_lossy_codecs_train_like_plain_ddp(codec):
     assert abs(last - plain_last) < 0.05 * float(plain_t[:4].mean()), (last, plain_last)
     ratio = state.bytes_sent / state.input_bytes
     assert ratio < {"bf16": 0.51, "fp8-e4m3": 0.27, "ef+fp8-e4m3": 0.27, "ef+nvfp4": 0.2}[codec], ratio
+
+
+def test_hierarchical_hook_trains_like_plain_ddp_at_half_the_bytes_between_groups():
+    if P != 4:
+        pytest.skip("2 groups of 2 ranks")
+    _, plain, _ = _train(None, steps=40)
+    _, flat, flat_state = _train("ef+fp8-e4m3", steps=40, hierarchical=False)
+    _, ours, state = _train("ef+fp8-e4m3", steps=40, hierarchical=2)
+    plain_t, ours_t = (hvd.allreduce(torch.tensor(v, dtype=torch.float64), op=hvd.Average) for v in (plain, ours))
+    assert float(ours_t[-4:].mean()) < 0.7 * float(ours_t[:4].mean()), ours_t.tolist()  # it trains
+    assert abs(float(ours_t[-4:].mean()) - float(plain_t[-4:].mean())) < 0.05 * float(plain_t[:4].mean())
+    assert 0.45 < state.bytes_sent / flat_state.bytes_sent < 0.55, (state.bytes_sent, flat_state.bytes_sent)
+    with pytest.raises(ValueError, match="hierarchical='x' is not valid"):
+        hvd.ddp_hook("ef+fp8-e4m3", hierarchical="x")
 
 
 def test_error_feedback_state_is_keyed_by_names_and_checkpointed(tmp_path_factory):

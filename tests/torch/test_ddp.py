@@ -9,8 +9,8 @@ pytestmark = pytest.mark.mpi
 
 
 # 2 ranks run every hook test; 4 ranks (4 processes on 2 cores) only the ones on two DDP
-# subgroups of 2, which need them.
-@pytest.mark.parametrize("n,only", [(2, None), (4, "subgroup")])
+# subgroups of 2 and on two groups of 2 (hierarchical), which need them.
+@pytest.mark.parametrize("n,only", [(2, None), (4, "subgroup or hierarchical")])
 def test_ddp_hook_suite(n, only):
     run_mpi_pytest(n, "tests/torch/mpi_ddp.py", timeout=600, only=only)
 
