@@ -49,7 +49,7 @@ from ..comm import arrays
 from ..comm.arrays import adapter_for
 from ..comm.buffers import check_out, describe, device_of, op_label, split_rows
 from ..comm.communicator import Communicator, Signature
-from ..comm.handle import Handle
+from ..comm.handle import Done, Handle
 from .base import Codec, Span
 from .hierarchical import blocks, hierarchy_setting, levels_of
 
@@ -827,10 +827,16 @@ def _reduce_levels(comm: Communicator, levels: Any, codec: Codec, key: Hashable,
     def scatter(lane: Communicator, a: int, b: int) -> Any:
         return lane.reduce_scatter(flat[a:b], "sum", counts=blocks(b - a, levels.per_group, ALIGN))
 
+    def now(method: Any, *args: Any) -> Handle:
+        return Done(method(inner, *args), None)
+
+    # One chunk has nothing to overlap: its steps run on this thread, waiting as this thread's
+    # communicator does (a lane's yield the CPU); several go through the group's lane.
+    submit = inner.submit if len(spans) > 1 else now
     gathers = []
-    pending = inner.submit(scatter, *spans[0])
+    pending = submit(scatter, *spans[0])
     for k, (a, b) in enumerate(spans):
-        following = inner.submit(scatter, *spans[k + 1]) if k + 1 < len(spans) else None
+        following = submit(scatter, *spans[k + 1]) if k + 1 < len(spans) else None
         block = pending.wait()
         counts = blocks(b - a, levels.per_group, ALIGN)
         lo = a + int(counts[:inner.rank].sum())
@@ -845,7 +851,7 @@ def _reduce_levels(comm: Communicator, levels: Any, codec: Codec, key: Hashable,
             total.encoded_wire += run.encoded_wire
             for phase, seconds in run.times.items():
                 total.times[phase] += seconds
-        gathers.append((a, b, inner.submit(Communicator.allgather, mine)))
+        gathers.append((a, b, submit(Communicator.allgather, mine)))
         pending = following
     for a, b, gathered in gathers:
         space.copy(result[a:b], gathered.wait())

@@ -155,7 +155,10 @@ def _make_levels(comm: Communicator, group: int | str) -> Levels | ValueError:
         return ValueError(f"hierarchical all-reduce over {comm.size} ranks: {problem}")
     cross_mpi = mpi.Split(node_mpi.Get_rank(), comm.rank)
     # The compressed all-reduce's agreement on the parent covers every step: no checks of their own.
-    return Levels(comm.derive(node_mpi, check=False), comm.derive(cross_mpi, check=False), comm.size // per, per)
+    inner, cross = comm.derive(node_mpi, check=False), comm.derive(cross_mpi, check=False)
+    # A lane's levels wait as the lane does, yielding the CPU (the caller's computation goes on beside).
+    inner.transport.lane = cross.transport.lane = comm.transport.lane
+    return Levels(inner, cross, comm.size // per, per)
 
 
 def blocks(n: int, parts: int, align: int) -> np.ndarray:
