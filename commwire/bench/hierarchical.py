@@ -31,13 +31,13 @@ commwire.bench.hierarchical`` (2 ranks per lab host).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ._report import emit
 from .allreduce import _human, check_sizes_and_codecs, parse_size
+from .transports import _sample
 
 
 def _bytes(n: float) -> str:
@@ -55,17 +55,6 @@ DRIVER = False
 
 DEFAULT_SIZES = "1M,4M,16M,64M"
 DEFAULT_CODECS = "fp8-e4m3,ef+nvfp4"
-
-
-def _sample(mpi: Any, fn: Callable[[], Any], calls: int) -> float:
-    """Return the slowest rank's seconds per call of ``fn`` over ``calls`` calls (ranks start together)."""
-    from mpi4py import MPI
-
-    mpi.Barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return float(mpi.allreduce((time.perf_counter() - start) / calls, op=MPI.MAX))
 
 
 def _nic_tx() -> int:
@@ -129,7 +118,7 @@ def run_hierarchical_bench(sizes: list[int], codecs: list[str], *, repeats: int 
             for _ in range(repeats):
                 for arm, fn in arms.items():
                     before = _nic_tx()
-                    samples[arm].append(_sample(mpi, fn, calls))
+                    samples[arm].append(_sample(comm, fn, calls=calls))
                     nic[arm] += _nic_tx() - before
             base = float(np.median(samples["fp32 mpi"]))
             # one node's interfaces, read once per node (its first rank), per call

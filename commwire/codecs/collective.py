@@ -824,8 +824,11 @@ def _reduce_levels(comm: Communicator, levels: Any, codec: Codec, key: Hashable,
     if n - spans[-1][0] < step // 2 and len(spans) > 1:  # no short last chunk
         spans[-2:] = [(spans[-2][0], n)]
 
-    def scatter(lane: Communicator, a: int, b: int) -> Any:
-        return lane.reduce_scatter(flat[a:b], "sum", counts=blocks(b - a, levels.per_group, ALIGN))
+    counts_of = [blocks(b - a, levels.per_group, ALIGN) for a, b in spans]
+
+    def scatter(lane: Communicator, k: int) -> Any:
+        a, b = spans[k]
+        return lane.reduce_scatter(flat[a:b], "sum", counts=counts_of[k])
 
     def now(method: Any, *args: Any) -> Handle:
         return Done(method(inner, *args), None)
@@ -834,11 +837,11 @@ def _reduce_levels(comm: Communicator, levels: Any, codec: Codec, key: Hashable,
     # communicator does (a lane's yield the CPU); several go through the group's lane.
     submit = inner.submit if len(spans) > 1 else now
     gathers = []
-    pending = submit(scatter, *spans[0])
+    pending = submit(scatter, 0)
     for k, (a, b) in enumerate(spans):
-        following = submit(scatter, *spans[k + 1]) if k + 1 < len(spans) else None
+        following = submit(scatter, k + 1) if k + 1 < len(spans) else None
         block = pending.wait()
-        counts = blocks(b - a, levels.per_group, ALIGN)
+        counts = counts_of[k]
         lo = a + int(counts[:inner.rank].sum())
         mine = result[lo:lo + int(counts[inner.rank])]
         if mine.shape[0]:  # every rank of this cross group has a block of the same size

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .._validate import positive_int
 from .netns import require_tools, status
-from .shim import write_shim
+from .shim import named_host, write_shim
 from .spec import HOST_IFACE, LabSpec
 
 __all__ = ["launch_args", "placement", "LAB_ENV"]
@@ -111,8 +111,7 @@ def launch_args(np: int, env: Mapping[str, str],
     hostlist = ",".join(f"{name}:{count}" for name, count in chosen)
     out["MASTER_ADDR"] = spec.addresses[spec.names.index(chosen[0][0])]
     argv = [
-        tools["ip"], "netns", "exec", chosen[0][0], tools["unshare"], "--uts", "--",
-        "sh", "-c", 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', chosen[0][0], _mpiexec(out),
+        tools["ip"], "netns", "exec", chosen[0][0], *named_host(tools["unshare"], chosen[0][0]), _mpiexec(out),
         "-launcher", "ssh", "-launcher-exec", spec.shim,
         "-hosts", hostlist, "-n", str(np),
     ]

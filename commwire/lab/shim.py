@@ -6,7 +6,15 @@ import os
 import shlex
 from pathlib import Path
 
-__all__ = ["write_shim"]
+__all__ = ["write_shim", "named_host"]
+
+NAME_HOST = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
+"""``sh -c`` script run as ``sh -c NAME_HOST HOST CMD...``: name the (new UTS namespace's) host HOST, run CMD."""
+
+
+def named_host(unshare: str, host: str) -> list[str]:
+    """Return the argv prefix that runs a command under its own host name ``host`` (a real host has one)."""
+    return [unshare, "--uts", "--", "sh", "-c", NAME_HOST, host]
 
 # Hydra's ssh launcher calls "<launcher-exec> -x HOST 'CMD' ARGS...", like `ssh -x host cmd`.
 # sshd would hand the joined words to the remote shell; `sh -c "$*"` does the same inside
@@ -33,13 +41,13 @@ case "$host" in
     cw-h[0-9]*) ;;
     *) echo "commwire lab shim: $host is not a lab host (cw-hN); is the lab up?" >&2; exit 255 ;;
 esac
-exec {ip} netns exec "$host" {unshare} --uts -- sh -c 'echo "$0" > /proc/sys/kernel/hostname && exec sh -c "$1"' "$host" "$*"
+exec {ip} netns exec "$host" {unshare} --uts -- sh -c {name_host} "$host" sh -c "$*"
 """
 
 
 def write_shim(path: Path, ip: str, unshare: str) -> Path:
     """Write the launcher shim to *path*, calling *ip* and *unshare* by absolute path, and make it executable."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_TEMPLATE.format(ip=shlex.quote(ip), unshare=shlex.quote(unshare)))
+    path.write_text(_TEMPLATE.format(ip=shlex.quote(ip), unshare=shlex.quote(unshare), name_host=shlex.quote(NAME_HOST)))
     os.chmod(path, 0o755)
     return path
