@@ -1016,6 +1016,185 @@ def _fp8_feedback(y, out, r, inv, scale, f):
             _ef_e5m2_slice(y[lo:hi], out[lo:hi], r[lo:hi], scale)
 
 
+# ---- MX (OCP): 32-element blocks with E8M0 power-of-two scales ------------------
+#
+# Per block: the largest |x| as bits (non-finite included); its float32 exponent field is
+# floor(log2 amax) (-127 for zero and float32 subnormals); the scale exponent is that minus the
+# element format's emax, clamped to [-127, 126] so 2**-e stays a normal float32. A block holding
+# NaN or Inf gets the E8M0 NaN code. Elements are x * 2**-e (exact: a power of two), rounded and
+# saturated by the same code arithmetic as FP8. Round to nearest (the default) runs the NVFP4
+# fast path's shape: a stride-4 maximum, the scales of whole blocks, then each block's codes with
+# its format's constants compiled in; stochastic rounding runs the generic code kernels.
+# Chunks are a multiple of 32 elements, so no block straddles two.
+
+_MX_BLOCK = 32
+_MX_FAST = {_E4M3: _FAST_E4M3, _E5M2: _FAST_E5M2, _E2M1: 5}
+"""The element formats with a compiled-in round-to-nearest path (5: E2M1)."""
+
+
+@njit(inline="always")
+def _mx_exponent(m, emax):
+    """Return the scale exponent e of a block whose largest |x| has the bits ``m``."""
+    return _I(min(max(_I(_I(m >> _I(23)) - _I(127)) - emax, _I(-127)), _I(126)))
+
+
+@_jit()
+def _mx_scales(u, scodes, inv, emax):
+    """Write each block's E8M0 scale code and 1/scale (2**-e) from the int32 view ``u`` (any length)."""
+    n = u.size
+    for b in range(scodes.size):
+        lo = b * _MX_BLOCK
+        m = np.int32(0)
+        for i in range(lo, min(lo + _MX_BLOCK, n)):
+            m = max(m, u[i] & np.int32(_ABS_MASK))
+        e = _mx_exponent(m, emax)
+        scodes[b] = np.uint8(255) if m >= np.int32(_INF_BITS) else np.uint8(e + 127)
+        inv[b] = _flt(_I(_I(127) - e) << _I(23))
+
+
+@_jit()
+def _mx_scales_whole(h, scodes, inv, emax):
+    """As :func:`_mx_scales` for whole blocks, from 8 partial maxima (``_absmax4``) per block."""
+    for b in range(scodes.size):
+        i = _U(b) * _U(8)
+        m = max(max(max(h[i], h[i + _U(1)]), max(h[i + _U(2)], h[i + _U(3)])),
+                max(max(h[i + _U(4)], h[i + _U(5)]), max(h[i + _U(6)], h[i + _U(7)])))
+        e = _mx_exponent(m, emax)
+        scodes[_U(b)] = np.uint8(255) if m >= _I(_INF_BITS) else np.uint8(e + _I(127))
+        inv[_U(b)] = _flt(_I(_I(127) - e) << _I(23))
+
+
+@_jit()
+def _mx_codes(x, codes, inv, p, sr, stream, start):
+    """Write one code per byte of x * inv[block], RNE or stochastic (global index ``start + i``)."""
+    for b in range(inv.size):
+        lo = b * _MX_BLOCK
+        hi = min(lo + _MX_BLOCK, x.size)
+        if sr:
+            _enc_sr_slice(x[lo:hi], codes[lo:hi], inv[b], p, stream, start + lo)
+        else:
+            _enc_rne_slice(x[lo:hi], codes[lo:hi], inv[b], p)
+
+
+@njit(inline="always")
+def _mx_code(y, f):
+    if f == _FAST_E4M3:
+        return _code_rne32(y, _E4M3, _E4M3_INF_IS_MAX)
+    if f == _FAST_E5M2:
+        return _code_rne32(y, _E5M2, False)
+    return _code_rne32(y, _E2M1, _E2M1_INF_IS_MAX)
+
+
+@_jit()
+def _mx_codes_whole(x, codes, inv, f):
+    """Write the codes of whole blocks, the element format ``f`` compiled in (the branch is loop-invariant)."""
+    for b in range(inv.size):
+        s = inv[_U(b)]
+        for k in range(_MX_BLOCK):
+            i = _U(b) * _U(_MX_BLOCK) + _U(k)
+            codes[i] = np.uint8(_mx_code(x[i] * s, f))
+
+
+@_jit()
+def _mx_chunk(x, out, scodes, p, emax, pack, sr, stream, start, f):
+    n = x.size
+    nb = scodes.size
+    inv = np.empty(nb, np.float32)
+    if f == _GENERIC or sr:
+        _mx_scales(x.view(np.int32), scodes, inv, emax)
+        codes = np.empty(n, np.uint8) if pack else out
+        _mx_codes(x, codes, inv, p, sr, stream, start)
+    else:
+        xs = x
+        if n % _MX_BLOCK:  # a partial last block (only in the last chunk): zero padding changes no maximum
+            xs = np.zeros(nb * _MX_BLOCK, np.float32)
+            xs[:n] = x
+        h = np.empty(nb * 8, np.int32)
+        _absmax4(xs.view(np.int32), h)
+        _mx_scales_whole(h, scodes, inv, emax)
+        codes = np.empty(nb * _MX_BLOCK, np.uint8) if pack or n % _MX_BLOCK else out
+        _mx_codes_whole(xs, codes, inv, f)
+        if not pack and n % _MX_BLOCK:
+            out[:] = codes[:n]
+    if pack:
+        _pack_nibbles(codes[:n], out)
+
+
+@_Driver
+def _mx_encode(x, out, scodes, p, emax, pack, sr, stream, f):
+    n = x.size
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        s = scodes[lo // _MX_BLOCK : (hi + _MX_BLOCK - 1) // _MX_BLOCK]
+        if pack:
+            _mx_chunk(x[lo:hi], out[lo // 2 : (hi + 1) // 2], s, p, emax, pack, sr, stream, lo, f)
+        else:
+            _mx_chunk(x[lo:hi], out[lo:hi], s, p, emax, pack, sr, stream, lo, f)
+
+
+@_jit()
+def _mx_dec_generic(out, codes, d, lut_e, add):
+    n = out.size
+    for b in range(d.size):
+        s = d[b]
+        for i in range(b * _MX_BLOCK, min(b * _MX_BLOCK + _MX_BLOCK, n)):
+            v = lut_e[codes[i]] * s
+            out[i] = out[i] + v if add else v
+
+
+@njit(inline="always")
+def _mx_value(code, f):
+    if f == _FAST_E4M3:
+        return _code_value(code, _E4M3, _E4M3_SUB, _I(0x80), _E4M3_INF, _E4M3_NAN)
+    if f == _FAST_E5M2:
+        return _code_value(code, _E5M2, _E5M2_SUB, _I(0x80), _E5M2_INF, _E5M2_NAN)
+    return _e2m1_value(code)
+
+
+@_jit()
+def _mx_dec_whole(out, codes, d, f, add):
+    """Decode whole blocks (``add``: add to ``out``); ``f`` and ``add`` are loop-invariant branches."""
+    for b in range(d.size):
+        s = d[_U(b)]
+        for k in range(_MX_BLOCK):
+            i = _U(b) * _U(_MX_BLOCK) + _U(k)
+            v = _mx_value(_I(codes[i]), f) * s
+            out[i] = out[i] + v if add else v
+
+
+@_jit()
+def _mx_dec_chunk(out, codes, scodes, lut_s, lut_e, pack, add, f):
+    n = out.size
+    d = np.empty(scodes.size, np.float32)
+    for b in range(scodes.size):
+        d[b] = lut_s[scodes[b]]
+    c = codes
+    if pack:
+        c = np.empty(2 * codes.size, np.uint8)
+        _unpack_nibbles(codes, c)
+    if f == _GENERIC:
+        _mx_dec_generic(out, c, d, lut_e, add)
+        return
+    nfull = n // _MX_BLOCK
+    _mx_dec_whole(out[: nfull * _MX_BLOCK], c, d[:nfull], f, add)
+    if nfull < d.size:  # a partial last block
+        _mx_dec_generic(out[nfull * _MX_BLOCK :], c[nfull * _MX_BLOCK :], d[nfull:], lut_e, add)
+
+
+@_Driver
+def _mx_decode(out, codes, scodes, lut_s, lut_e, pack, add, f):
+    n = out.size
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        s = scodes[lo // _MX_BLOCK : (hi + _MX_BLOCK - 1) // _MX_BLOCK]
+        if pack:
+            _mx_dec_chunk(out[lo:hi], codes[lo // 2 : (hi + 1) // 2], s, lut_s, lut_e, pack, add, f)
+        else:
+            _mx_dec_chunk(out[lo:hi], codes[lo:hi], s, lut_s, lut_e, pack, add, f)
+
+
 # ---- backend API (same names and signatures as _torch_kernels) ----------------
 
 
@@ -1165,3 +1344,24 @@ def nvfp4_decode(packed, scodes, sg, lut8, lut4, out) -> None:
 def nvfp4_decode_add(packed, scodes, sg, lut8, lut4, out) -> None:
     """Add the values of :func:`nvfp4_decode` to ``out`` in one pass (same rounding as decode, then add)."""
     _nvfp4_decode_into(packed, scodes, sg, lut8, lut4, out, True)
+
+
+def mx_encode(x, out, scodes, params, emax, pack, *, sr=False, stream=0) -> None:
+    """Write MX element codes (``pack``: two 4-bit codes a byte, low nibble = even element) and E8M0 scale codes."""
+    p = _typed(params)
+    _mx_encode(x, out, scodes, p, np.int32(emax), bool(pack), bool(sr), stream, _MX_FAST.get(p, _GENERIC))
+
+
+def _mx_table_id(lut: np.ndarray) -> int:
+    return next((f for table, f in ((_E4M3_LUT, _FAST_E4M3), (_E5M2_LUT, _FAST_E5M2), (_E2M1_LUT, 5))
+                 if lut is table), _GENERIC)
+
+
+def mx_decode(codes, scodes, lut_s, lut_e, pack, out) -> None:
+    """Decode MX element codes times their E8M0 block scales into ``out``."""
+    _mx_decode(out, codes, scodes, lut_s, lut_e, bool(pack), False, _mx_table_id(lut_e))
+
+
+def mx_decode_add(codes, scodes, lut_s, lut_e, pack, out) -> None:
+    """Add the values of :func:`mx_decode` to ``out`` in one pass (same rounding as decode, then add)."""
+    _mx_decode(out, codes, scodes, lut_s, lut_e, bool(pack), True, _mx_table_id(lut_e))

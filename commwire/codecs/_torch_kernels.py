@@ -96,6 +96,20 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(nb, block)
 
 
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """Return 4-bit codes packed two a byte, even element in the low nibble (odd length: a 0 nibble last)."""
+    q = q & 0xF
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    return (q[0::2] | (q[1::2] << 4)).to(torch.uint8)
+
+
+def _unpack4(packed: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Return the table values of the 4-bit codes in ``packed`` (two per byte, low nibble first)."""
+    p = packed.to(torch.int64)
+    return torch.stack([table[p & 0xF], table[p >> 4]], dim=1).reshape(-1)
+
+
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
     a = x.abs()
     return torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
@@ -211,11 +225,8 @@ def nvfp4_encode(x, packed, scodes, sg, p8, p4, lut8, *, sr=False, stream=0) -> 
     code = torch.where(torch.isfinite(m_all), code, p8[6])
     d = _lut(lut8, x.device)[code.long()] * sg
     inv = torch.where(d > 0, 1.0 / d, torch.zeros((), dtype=d.dtype, device=d.device))
-    q = (_codes(xb * inv[:, None], p4, sr, stream) & 0xF).reshape(-1)[:n]
-    if n % 2:
-        q = torch.cat([q, q.new_zeros(1)])
     scodes.copy_(code.to(torch.uint8))
-    packed.copy_((q[0::2] | (q[1::2] << 4)).to(torch.uint8))
+    packed.copy_(_pack4(_codes(xb * inv[:, None], p4, sr, stream).reshape(-1)[:n]))
 
 
 def nvfp4_decode(packed, scodes, sg, lut8, lut4, out) -> None:
@@ -223,9 +234,7 @@ def nvfp4_decode(packed, scodes, sg, lut8, lut4, out) -> None:
     n = out.numel()
     if n == 0:
         return
-    table4 = _lut(lut4, packed.device)
-    p = packed.to(torch.int64)
-    values = torch.stack([table4[p & 0xF], table4[p >> 4]], dim=1).reshape(-1)
+    values = _unpack4(packed, _lut(lut4, packed.device))[:n]
     d = _lut(lut8, packed.device)[scodes.long()] * sg
     out.copy_((_blocks(values, 16) * d[:, None]).reshape(-1)[:n])
 
@@ -234,6 +243,39 @@ def nvfp4_decode_add(packed, scodes, sg, lut8, lut4, out) -> None:
     """Add the values of :func:`nvfp4_decode` to ``out`` (decoded into a temporary, then added)."""
     part = torch.empty_like(out)
     nvfp4_decode(packed, scodes, sg, lut8, lut4, part)
+    out.add_(part)
+
+
+def mx_encode(x, out, scodes, params, emax, pack, *, sr=False, stream=0) -> None:
+    """Write MX element codes (``pack``: two 4-bit codes a byte, low nibble = even element) and E8M0 scale codes."""
+    n = x.numel()
+    if n == 0:
+        return
+    xb = _blocks(x.contiguous(), 32)
+    m = (xb.view(torch.int32) & _ABS_MASK).amax(dim=1)
+    # floor(log2 amax) from the float32 exponent field, minus emax, clamped so 2**-e is a normal float32.
+    e = torch.clamp((m >> 23) - (127 + emax), min=-127, max=126)
+    scodes.copy_(torch.where(m >= _INF_BITS, 255, e + 127).to(torch.uint8))
+    inv = ((127 - e) << 23).to(torch.int32).view(torch.float32)
+    q = _codes(xb * inv[:, None], params, sr, stream).reshape(-1)[:n]
+    out.copy_(_pack4(q) if pack else q.to(torch.uint8))
+
+
+def mx_decode(codes, scodes, lut_s, lut_e, pack, out) -> None:
+    """Decode MX element codes times their E8M0 block scales into ``out``."""
+    n = out.numel()
+    if n == 0:
+        return
+    table = _lut(lut_e, codes.device)
+    values = _unpack4(codes, table) if pack else table[codes.long()]
+    d = _lut(lut_s, codes.device)[scodes.long()]
+    out.copy_((_blocks(values[:n], 32) * d[:, None]).reshape(-1)[:n])
+
+
+def mx_decode_add(codes, scodes, lut_s, lut_e, pack, out) -> None:
+    """Add the values of :func:`mx_decode` to ``out`` (decoded into a temporary, then added)."""
+    part = torch.empty_like(out)
+    mx_decode(codes, scodes, lut_s, lut_e, pack, part)
     out.add_(part)
 
 

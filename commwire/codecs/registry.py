@@ -14,6 +14,8 @@ Codecs (the last stage), with their options:
   per N elements (default: one per tensor), ``sr`` for stochastic rounding,
   ``seed=N`` for its seed.
 - ``nvfp4``: 0.5625 B/element + 4 B; ``sr``, ``seed=N``.
+- ``mxfp8-e4m3``, ``mxfp8-e5m2``, ``mxfp4``: OCP MX, 32-element blocks with E8M0 scales:
+  1.03125 / 0.53125 B/element; ``sr``, ``seed=N``.
 
 Wrapper stages (each wraps everything to its right):
 
@@ -40,6 +42,7 @@ from .feedback import ErrorFeedback
 from .fp8 import Fp8Codec
 from .gift import Gift
 from .hadamard import HadamardTransform
+from .mx import MxCodec
 from .nvfp4 import Nvfp4Codec
 from .pipeline import Pipeline
 
@@ -57,6 +60,9 @@ _CODECS: dict[str, CodecFactory] = {
     "fp8-e4m3": lambda **options: Fp8Codec(format="e4m3", **options),
     "fp8-e5m2": lambda **options: Fp8Codec(format="e5m2", **options),
     "nvfp4": Nvfp4Codec,
+    "mxfp8-e4m3": lambda **options: MxCodec(element="e4m3", **options),
+    "mxfp8-e5m2": lambda **options: MxCodec(element="e5m2", **options),
+    "mxfp4": lambda **options: MxCodec(element="e2m1", **options),
 }
 _STAGES: dict[str, StageFactory] = {
     "ef": ErrorFeedback,

@@ -101,7 +101,8 @@ class Compression:
     """Gradient compressions: Horovod's (``none``, ``fp16``) and commwire's codecs.
 
     ``fp8`` / ``nvfp4`` quantise with one scale per chunk (per 16 elements for
-    NVFP4); the ``*_ef`` variants add error feedback, which carries each step's
+    NVFP4); ``mxfp8`` / ``mxfp4`` with one power-of-two scale per 32 elements (OCP
+    MX); the ``*_ef`` variants add error feedback, which carries each step's
     quantisation error into the next step. Any ``commwire.codecs`` spec string
     is accepted wherever a Compression member is.
     """
@@ -114,6 +115,9 @@ class Compression:
     fp8_ef = CodecCompressor("ef+fp8-e4m3")
     nvfp4 = CodecCompressor("nvfp4")
     nvfp4_ef = CodecCompressor("ef+nvfp4")
+    mxfp8 = CodecCompressor("mxfp8-e4m3")
+    mxfp4 = CodecCompressor("mxfp4")
+    mxfp4_ef = CodecCompressor("ef+mxfp4")
     gift_fp8 = "gift+fp8-e4m3"  # GIFT transform (commwire.torch.gift): needs DistributedOptimizer(model=...)
     gift_nvfp4 = "gift+nvfp4"
 

@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 SPECS = [
     "none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "fp8-e5m2:block=7",
     "fp8-e4m3:sr", "nvfp4", "nvfp4:sr,seed=3", "hadamard+nvfp4", "ef+fp8-e4m3", "ef+nvfp4",
-    "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64",
+    "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64", "mxfp8-e4m3", "mxfp8-e5m2", "mxfp4", "mxfp4:sr,seed=3",
+    "ef+mxfp4",
 ]
 
 
@@ -40,6 +41,8 @@ def test_wire_nbytes_exact(n):
     assert codecs.get("fp8-e4m3").wire_nbytes(n) == n + 4
     assert codecs.get("fp8-e4m3:block=128").wire_nbytes(n) == n + 4 * -(-n // 128)
     assert codecs.get("nvfp4").wire_nbytes(n) == -(-n // 2) + -(-n // 16) + 4
+    assert codecs.get("mxfp8-e5m2").wire_nbytes(n) == n + -(-n // 32)
+    assert codecs.get("mxfp4").wire_nbytes(n) == -(-n // 2) + -(-n // 32)
     for spec in SPECS:
         codec = codecs.get(spec)
         assert codec.encode(gauss(n)).nbytes == codec.wire_nbytes(n)
@@ -49,11 +52,14 @@ def test_acceptance_bytes_per_element():
     n = 1 << 16
     assert codecs.get("fp8-e4m3").wire_nbytes(n) == n + 4
     assert codecs.get("nvfp4").wire_nbytes(n) == 0.5625 * n + 4
+    assert codecs.get("mxfp8-e4m3").wire_nbytes(n) == 1.03125 * n  # formats.md
+    assert codecs.get("mxfp4").wire_nbytes(n) == 0.53125 * n
 
 
 # ---- accuracy (formats.md targets, within 10%) -------------------------------
 
-@pytest.mark.parametrize("spec,target", [("fp8-e4m3", 0.026), ("fp8-e5m2", 0.053), ("nvfp4", 0.095)])
+@pytest.mark.parametrize("spec,target", [("fp8-e4m3", 0.026), ("fp8-e5m2", 0.053), ("nvfp4", 0.095),
+                                         ("mxfp4", 0.115)])
 def test_gaussian_rel_l2_matches_formats_md(spec, target):
     err = rel_l2(codecs.get(spec), gauss(1 << 18))
     assert abs(err - target) <= 0.1 * target, err
@@ -125,6 +131,74 @@ def test_nvfp4_layout_matches_reference(n):
     codec = codecs.get("nvfp4")
     payload = codec.encode(x)
     np.testing.assert_array_equal(payload.data, nvfp4_reference(x))
+
+
+def mx_reference(x, element):
+    """Return MX wire bytes by the OCP steps of formats.md, in float64 with ml_dtypes casts."""
+    dtype, emax, top = {"e4m3": (ml_dtypes.float8_e4m3fn, 8, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 15, 57344.0),
+                        "e2m1": (ml_dtypes.float4_e2m1fn, 2, 6.0)}[element]
+    n = x.size
+    nb = -(-n // 32)
+    xp = np.zeros(nb * 32, np.float64)
+    xp[:n] = x
+    blocks = xp.reshape(nb, 32)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e = np.floor(np.log2(amax)) - emax  # -inf for an all-zero block
+    e = np.clip(np.nan_to_num(e, nan=0.0, neginf=-127.0, posinf=127.0), -127, 127)
+    scodes = np.where(np.isfinite(amax), e + 127, 255).astype(np.uint8)
+    q = np.clip(blocks / np.exp2(e)[:, None], -top, top).astype(dtype).view(np.uint8).reshape(-1)[:n]
+    if element == "e2m1":
+        q = np.concatenate([q, np.zeros(n % 2, np.uint8)])
+        q = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+    return np.concatenate([q, scodes])
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 1000, 16384 + 99])
+def test_mx_layout_matches_reference(n, element):
+    x = gauss(n, seed=n) * 3
+    x[: n // 3] *= 1e-3  # blocks of other binades
+    if n > 100:
+        x[32:64] = 0.0  # an all-zero block: the smallest scale
+        x[64:96] *= np.float32(1e-38)  # float32 subnormals: the smallest scale, codes of the scaled values
+        x[96] = 3e38  # a block near float32's top
+    codec = codecs.MxCodec(element=element)
+    np.testing.assert_array_equal(codec.encode(x).data, mx_reference(x, element))
+
+
+@pytest.mark.parametrize("spec,element", [("mxfp8-e4m3", ml_dtypes.float8_e4m3fn), ("mxfp4", ml_dtypes.float4_e2m1fn)])
+def test_mx_decode_is_element_value_times_e8m0_scale(spec, element):
+    codec = codecs.get(spec)
+    x = gauss(4099, seed=2) * np.float32(50)
+    x[:64] *= np.float32(1e-30)
+    buf = codec.encode(x).data
+    n, nc = x.size, codec.wire_nbytes(x.size) - -(-x.size // 32)
+    codes = buf[:nc]
+    if element is ml_dtypes.float4_e2m1fn:
+        codes = np.stack([codes & 0xF, codes >> 4], axis=1).reshape(-1)[:n]
+    scales = buf[nc:].view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+    want = codes.astype(np.uint8).view(element).astype(np.float64) * np.repeat(scales, 32)[:n]
+    np.testing.assert_array_equal(codec.decode_from(buf, n), want.astype(np.float32))
+    assert np.array_equal(want, want.astype(np.float32))  # every value is exact in float32
+
+
+def test_mx_non_finite_block_decodes_nan_and_leaves_the_others():
+    x = gauss(128, seed=4)
+    x[40] = np.inf
+    for spec in ("mxfp8-e4m3", "mxfp8-e5m2", "mxfp4"):
+        codec = codecs.get(spec)
+        buf = codec.encode(x).data
+        assert buf[-3] == 255 and 255 not in (buf[-4], buf[-2], buf[-1])  # the second of 4 scales
+        y = codec.decode(codec.encode(x))
+        assert np.isnan(y[32:64]).all() and np.isfinite(np.delete(y, range(32, 64))).all()
+
+
+def test_mx_saturates_the_top_of_the_binade():
+    # OCP's floor(log2 amax) scale leaves amax in [2**emax, 2**(emax+1)): 7.5 * 2**e clamps to 6 * 2**e.
+    x = np.array([7.5] + [0.5] * 31, np.float32)
+    y = codecs.get("mxfp4").decode(codecs.get("mxfp4").encode(x))
+    assert y[0] == 6.0 and y[1] == 0.5
 
 
 def test_nvfp4_scales_and_packing_round_trip():
@@ -248,7 +322,8 @@ def test_cuda_reciprocal_emulation_changes_results(cuda_scalar_division):
     assert (emulated != exact).mean() > 0.2
 
 
-@pytest.mark.parametrize("spec", ["fp8-e4m3", "fp8-e5m2:block=7", "fp8-e4m3:block=32", "nvfp4", "ef+nvfp4"])
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "fp8-e5m2:block=7", "fp8-e4m3:block=32", "nvfp4", "ef+nvfp4",
+                                  "mxfp8-e4m3", "ef+mxfp4"])
 def test_torch_kernels_divide_truly_where_cuda_takes_reciprocals(spec, cuda_scalar_division):
     # The device kernels must not divide a tensor by a Python number: on CUDA that is a multiply
     # by the reciprocal, and the scales written into the payload would differ from the host's.

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 SPECS = [
     "none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "fp8-e5m2:block=7",
     "nvfp4", "nvfp4:sr,seed=3", "ef+nvfp4", "ef+fp8-e4m3", "hadamard+nvfp4", "gift+fp8-e4m3",
-    "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64",
+    "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64", "mxfp8-e4m3", "mxfp4", "mxfp4:sr,seed=3",
 ]
 FUSED = ["fp16", "bf16", "fp8-e4m3", "fp8-e4m3:block=128", "nvfp4", "ef+nvfp4", "gift+fp8-e4m3"]
 LENGTHS = [0, 1, 15, 17, 1001, 16384 + 33, 70001]
@@ -89,7 +89,7 @@ def test_decode_add_checks_its_arguments():
 
 # ---- NVFP4 round-to-nearest path == generic kernels ----------------------------------
 
-E4M3, E2M1 = get_format("e4m3"), get_format("e2m1")
+E4M3, E2M1, E8M0 = get_format("e4m3"), get_format("e2m1"), get_format("e8m0")
 
 
 def hard_inputs(n, seed):
@@ -137,6 +137,33 @@ def test_nvfp4_rne_path_matches_generic_kernel(n, threads):
                 out_fast, out_generic = np.empty(n, np.float32), np.empty(n, np.float32)
                 _kernels.nvfp4_decode(pf, sf, sg, E4M3.lut(), E2M1.lut(), out_fast)
                 _kernels._nvfp4_decode(pf, sf, np.float32(sg), E4M3.lut(), E2M1.lut(), out_generic)
+                np.testing.assert_array_equal(bits(out_fast), bits(out_generic))
+    finally:
+        codecs.set_threads(None)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("n", [1, 31, 33, 1000, 16384 * 2 + 17])
+def test_mx_rne_path_matches_generic_kernel(n, element, threads):
+    fmt = get_format(element)
+    codec = codecs.MxCodec(element=element)
+    p, pack, nc = fmt.kernel_params(), codec.packed, -(-n // 2) if codec.packed else n
+    fast_id = _kernels._MX_FAST[_kernels._typed(p)]
+    codecs.set_threads(threads)
+    try:
+        for seed, x in enumerate(hard_inputs(n, seed=n)):
+            fast = (np.full(nc, 0xAB, np.uint8), np.full(-(-n // 32), 0xCD, np.uint8))
+            generic = (fast[0].copy(), fast[1].copy())
+            _kernels.mx_encode(x, *fast, p, codec.emax, pack)
+            _kernels._mx_encode(x, *generic, _kernels._typed(p), np.int32(codec.emax), pack, False, 0, _kernels._GENERIC)
+            np.testing.assert_array_equal(fast[1], generic[1], err_msg=f"scales, input {seed}")
+            np.testing.assert_array_equal(fast[0], generic[0], err_msg=f"codes, input {seed}")
+            for add in (False, True):
+                out_fast = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+                out_generic = out_fast.copy()
+                _kernels._mx_decode(out_fast, *fast, E8M0.lut(), fmt.lut(), pack, add, fast_id)
+                _kernels._mx_decode(out_generic, *fast, E8M0.lut(), fmt.lut(), pack, add, _kernels._GENERIC)
                 np.testing.assert_array_equal(bits(out_fast), bits(out_generic))
     finally:
         codecs.set_threads(None)
@@ -255,7 +282,7 @@ def test_16bit_fast_paths_match_generic_kernels(name, offset):
 # ---- threaded and serial drivers ------------------------------------------------
 
 @pytest.mark.parametrize("spec", ["bf16", "fp8-e4m3", "fp8-e5m2:block=128", "nvfp4", "nvfp4:sr,seed=3",
-                                  "ef+fp8-e4m3", "hadamard+nvfp4"])
+                                  "ef+fp8-e4m3", "hadamard+nvfp4", "mxfp8-e5m2:sr", "mxfp4"])
 def test_threaded_and_serial_kernels_give_the_same_bits(spec):
     n = 16384 * 3 + 5  # several chunks: the threaded driver runs at 2 threads
     x = data(n, seed=11)

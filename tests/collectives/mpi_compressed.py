@@ -11,6 +11,8 @@ reduced chunk; Gaussian data):
 | fp8-e4m3 (tensor or block scales, hadamard) | 0.06 | 0.026 |
 | fp8-e5m2 | 0.11 | 0.053 |
 | nvfp4 | 0.2 | 0.095 |
+| mxfp8-e4m3 | 0.06 | 0.029 |
+| mxfp4 | 0.23 | 0.115 |
 
 Every rank must end with bit-identical results.
 """
@@ -39,6 +41,8 @@ BOUNDS = {
     "fp8-e5m2": 0.11,
     "nvfp4": 0.2,
     "ef+fp8-e4m3": 0.06,
+    "mxfp8-e4m3": 0.06,
+    "mxfp4": 0.23,
 }
 
 
@@ -81,7 +85,8 @@ def test_small_message_variant_matches_pipelined_accuracy():
     assert rel_err(small, want) < 0.06 and rel_err(piped, want) < 0.06
 
 
-@pytest.mark.parametrize("spec,per_elem", [("fp8-e4m3", 1.0), ("nvfp4", 0.5625), ("bf16", 2.0)])
+@pytest.mark.parametrize("spec,per_elem", [("fp8-e4m3", 1.0), ("nvfp4", 0.5625), ("bf16", 2.0),
+                                               ("mxfp4", 0.53125)])
 def test_wire_bytes_per_element_in_stats(spec, per_elem):
     n = 1 << 20
     cw.stats(reset=True)
