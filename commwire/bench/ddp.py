@@ -11,7 +11,7 @@ gloo; only the communication hook differs:
   at rank 4 (low-rank after 2 warm-up steps, with its error feedback; buckets
   chained, see ``_ordered_powersgd``: over gloo the unchained hook can hang);
 - ``commwire <codec>``: ``commwire.torch.ddp_hook(codec)`` (none, bf16, FP8,
-  NVFP4, error feedback);
+  NVFP4, MX, error feedback);
 - ``no communication``: the same steps under ``ddp.no_sync()`` — each rank
   trains alone, nothing is sent. Not a method: the floor any hook's step time
   sits on (forward, backward, optimizer), so the table shows how much of a
@@ -43,8 +43,11 @@ NAME = "ddp"
 HELP = "DDP communication hooks: DDP's own (bf16, PowerSGD) vs commwire's codecs; --seeds"
 DRIVER = False
 
-CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
-           "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4", "no communication")
+DEFAULT_CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "commwire none", "commwire bf16",
+                   "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4",
+                   "no communication")
+CONFIGS = DEFAULT_CONFIGS + ("commwire mxfp8-e4m3", "commwire mxfp4", "commwire ef+mxfp4")
+"""Every configuration ``--configs`` accepts; the MX ones run only when named."""
 OPTIMIZERS = ("adamw", "adamw-fused")
 
 
@@ -158,7 +161,7 @@ def _register(label: str, ddp: Any, model: Any) -> Any:
     return state
 
 
-def run_ddp_bench(*, configs: tuple[str, ...] = CONFIGS, d_model: int = 192, layers: int = 3, batch: int = 8,
+def run_ddp_bench(*, configs: tuple[str, ...] = DEFAULT_CONFIGS, d_model: int = 192, layers: int = 3, batch: int = 8,
                   context: int = 64, steps: int = 10, rounds: int = 3, lr: float = 3e-3, threads: int = 1,
                   seed: int = 0, bucket_mb: float = 25.0, optimizer: str = "adamw") -> list[dict[str, Any]]:
     """Train every configuration for ``rounds`` x ``steps`` timed steps; return one row per configuration.
@@ -306,7 +309,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of ``commwire bench ddp``."""
     parser = argparse.ArgumentParser(prog="commwire bench ddp", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all but the MX ones)")
     parser.add_argument("--d-model", type=int, default=192, help="transformer width (default 192)")
     parser.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")
