@@ -279,6 +279,52 @@ def mx_decode_add(codes, scodes, lut_s, lut_e, pack, out) -> None:
     out.add_(part)
 
 
+def int_encode(x, codes, scales, block, qmax, pack, *, sr=False, stream=0) -> None:
+    """Write symmetric integer codes (``pack``: INT4, two a byte, low nibble = even element; an even ``block``)
+    and FP32 block scales."""
+    n = x.numel()
+    if n == 0:
+        return
+    xb = _blocks(x, block)
+    m = xb.abs().amax(dim=1)  # NaN and Inf propagate: a non-finite block
+    finite = torch.isfinite(m)
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=x.device)
+    s = torch.where(finite, torch.clamp(divide(m, float(qmax)), min=2.0**-126), nan).to(torch.float32)
+    scales.copy_(s)
+    inv = torch.where(finite, 1.0 / s, torch.zeros((), dtype=torch.float32, device=x.device))
+    y = xb * inv[:, None]
+    y = torch.where(torch.isnan(y), torch.zeros((), dtype=y.dtype, device=y.device), y).clamp(-qmax, qmax)
+    if sr:
+        idx = torch.arange(y.numel(), dtype=torch.int64, device=y.device).reshape(y.shape)
+        lo = torch.floor(y)
+        c = lo + ((y - lo).double() * 4294967296.0 > _rand32(idx, stream).double()).to(y.dtype)
+    else:
+        c = torch.round(y)  # half to even, as np.rint
+    c = c.to(torch.int32).reshape(-1)[:n]
+    codes.copy_(_pack4(c) if pack else (c & 0xFF).to(torch.uint8))
+
+
+def int_decode(codes, scales, block, pack, out) -> None:
+    """Decode symmetric integer codes times their FP32 block scales into ``out``."""
+    n = out.numel()
+    if n == 0:
+        return
+    c = codes.to(torch.int32)
+    if pack:
+        c = torch.stack([c & 0xF, c >> 4], dim=1).reshape(-1)[:n]
+        c = c - ((c & 8) << 1)
+    else:
+        c = c - ((c & 128) << 1)
+    out.copy_((_blocks(c.to(torch.float32), block) * scales[:, None]).reshape(-1)[:n])
+
+
+def int_decode_add(codes, scales, block, pack, out) -> None:
+    """Add the values of :func:`int_decode` to ``out`` (decoded into a temporary, then added)."""
+    part = torch.empty_like(out)
+    int_decode(codes, scales, block, pack, part)
+    out.add_(part)
+
+
 def add_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``a + b`` into ``out`` (float32 vectors of one length; ``out`` may be ``a`` or ``b``)."""
     torch.add(a, b, out=out)

@@ -36,7 +36,7 @@ import numpy as np
 from ..comm import arrays
 
 __all__ = ["Codec", "Wrapper", "Payload", "CodecState", "Span", "stream_id", "next_stream", "kernels",
-           "check_float"]
+           "check_float", "check_rounding", "rounding_options"]
 
 _STATE_VERSION = 1
 
@@ -63,6 +63,21 @@ def check_float(x: Any, spec: str) -> None:
             f"codec {spec!r} encodes floating-point arrays ({', '.join(arrays.FLOAT_NAMES)}), got {name}; "
             "cast first (x.astype(numpy.float32)) or send integer/boolean data without a codec"
         )
+
+
+def check_rounding(owner: str, rounding: str, seed: int) -> None:
+    """Raise ValueError unless ``rounding`` is ``"rne"``/``"sr"`` and ``seed`` an int in [0, 2**32) (``owner``: the config)."""
+    if rounding not in ("rne", "sr"):
+        raise ValueError(f"{owner}.rounding={rounding!r}; use 'rne' or 'sr'")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"{owner}.seed={seed!r}; use an int in [0, 2**32)")
+
+
+def rounding_options(rounding: str, seed: int) -> list[str]:
+    """Return a rounding setting's spec options: none for round to nearest, ``sr`` and ``seed=N`` (if not 0)."""
+    if rounding == "rne":
+        return []
+    return ["sr"] + ([f"seed={seed}"] if seed else [])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import arrays
-from .base import Codec, kernels, next_stream
+from .base import Codec, check_rounding, kernels, next_stream, rounding_options
 from .formats import get_format
 
 __all__ = ["Fp8Codec", "Fp8Config"]
@@ -55,10 +55,7 @@ class Fp8Config:
         if isinstance(self.block, bool) or not isinstance(self.block, int) or not 0 <= self.block <= _MAX_BLOCK:
             raise ValueError(f"Fp8Config.block={self.block!r}; use 0 (per tensor) or a block size from 1 to "
                              f"{_MAX_BLOCK} (2**31 - 1: the kernels index blocks with 32-bit integers)")
-        if self.rounding not in ("rne", "sr"):
-            raise ValueError(f"Fp8Config.rounding={self.rounding!r}; use 'rne' or 'sr'")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"Fp8Config.seed={self.seed!r}; use an int in [0, 2**32)")
+        check_rounding("Fp8Config", self.rounding, self.seed)
 
 
 class Fp8Codec(Codec):
@@ -75,11 +72,7 @@ class Fp8Codec(Codec):
     def spec(self) -> str:
         """Return e.g. ``"fp8-e4m3"``, ``"fp8-e4m3:block=128,sr"``."""
         c = self.config
-        options = [f"block={c.block}"] if c.block else []
-        if c.rounding == "sr":
-            options.append("sr")
-            if c.seed:
-                options.append(f"seed={c.seed}")
+        options = ([f"block={c.block}"] if c.block else []) + rounding_options(c.rounding, c.seed)
         return f"fp8-{c.format}" + (":" + ",".join(options) if options else "")
 
     def _nscales(self, n: int) -> int:

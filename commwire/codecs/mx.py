@@ -32,7 +32,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ..comm import arrays
-from .base import Codec, kernels, next_stream
+from .base import Codec, check_rounding, kernels, next_stream, rounding_options
 from .formats import get_format
 
 __all__ = ["MxCodec", "MxConfig", "MX_NAMES"]
@@ -58,10 +58,7 @@ class MxConfig:
     def __post_init__(self) -> None:
         if self.element not in MX_NAMES:
             raise ValueError(f"MxConfig.element={self.element!r}; use one of {', '.join(map(repr, MX_NAMES))}")
-        if self.rounding not in ("rne", "sr"):
-            raise ValueError(f"MxConfig.rounding={self.rounding!r}; use 'rne' or 'sr'")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"MxConfig.seed={self.seed!r}; use an int in [0, 2**32)")
+        check_rounding("MxConfig", self.rounding, self.seed)
 
 
 class MxCodec(Codec):
@@ -81,10 +78,8 @@ class MxCodec(Codec):
     def spec(self) -> str:
         """Return e.g. ``"mxfp8-e4m3"``, ``"mxfp4"``, ``"mxfp4:sr,seed=3"``."""
         c = self.config
-        name = MX_NAMES[c.element]
-        if c.rounding == "rne":
-            return name
-        return name + ":sr" + (f",seed={c.seed}" if c.seed else "")
+        options = rounding_options(c.rounding, c.seed)
+        return MX_NAMES[c.element] + (":" + ",".join(options) if options else "")
 
     def _ncodes(self, n: int) -> int:
         return -(-n // 2) if self.packed else n

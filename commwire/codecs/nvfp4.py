@@ -24,7 +24,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ..comm import arrays
-from .base import Codec, kernels, next_stream
+from .base import Codec, check_rounding, kernels, next_stream, rounding_options
 from .formats import get_format
 
 __all__ = ["Nvfp4Codec", "Nvfp4Config"]
@@ -43,10 +43,7 @@ class Nvfp4Config:
     """Seed of stochastic rounding; give each rank its own for independent errors."""
 
     def __post_init__(self) -> None:
-        if self.rounding not in ("rne", "sr"):
-            raise ValueError(f"Nvfp4Config.rounding={self.rounding!r}; use 'rne' or 'sr'")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"Nvfp4Config.seed={self.seed!r}; use an int in [0, 2**32)")
+        check_rounding("Nvfp4Config", self.rounding, self.seed)
 
 
 class Nvfp4Codec(Codec):
@@ -67,9 +64,8 @@ class Nvfp4Codec(Codec):
     def spec(self) -> str:
         """Return ``"nvfp4"`` or ``"nvfp4:sr[,seed=N]"``."""
         c = self.config
-        if c.rounding == "rne":
-            return "nvfp4"
-        return "nvfp4:sr" + (f",seed={c.seed}" if c.seed else "")
+        options = rounding_options(c.rounding, c.seed)
+        return "nvfp4" + (":" + ",".join(options) if options else "")
 
     def wire_nbytes(self, n: int) -> int:
         """Return ``ceil(n/2) + ceil(n/16) + 4``."""

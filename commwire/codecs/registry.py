@@ -16,6 +16,8 @@ Codecs (the last stage), with their options:
 - ``nvfp4``: 0.5625 B/element + 4 B; ``sr``, ``seed=N``.
 - ``mxfp8-e4m3``, ``mxfp8-e5m2``, ``mxfp4``: OCP MX, 32-element blocks with E8M0 scales:
   1.03125 / 0.53125 B/element; ``sr``, ``seed=N``.
+- ``int8``, ``int4``: symmetric integers with FP32 block scales, 1 + 4/B and 0.5 + 4/B
+  B/element; ``block=N`` (default 128 / 32), ``sr``, ``seed=N``.
 
 Wrapper stages (each wraps everything to its right):
 
@@ -42,6 +44,7 @@ from .feedback import ErrorFeedback
 from .fp8 import Fp8Codec
 from .gift import Gift
 from .hadamard import HadamardTransform
+from .integer import IntCodec
 from .mx import MxCodec
 from .nvfp4 import Nvfp4Codec
 from .pipeline import Pipeline
@@ -63,6 +66,8 @@ _CODECS: dict[str, CodecFactory] = {
     "mxfp8-e4m3": lambda **options: MxCodec(element="e4m3", **options),
     "mxfp8-e5m2": lambda **options: MxCodec(element="e5m2", **options),
     "mxfp4": lambda **options: MxCodec(element="e2m1", **options),
+    "int8": lambda **options: IntCodec(bits=8, **options),
+    "int4": lambda **options: IntCodec(bits=4, **options),
 }
 _STAGES: dict[str, StageFactory] = {
     "ef": ErrorFeedback,

@@ -20,7 +20,7 @@ from commwire.comm import arrays
 torch = pytest.importorskip("torch")
 
 COMM = cw.init()
-Int8Codec = run_block("extending.md", "class Int8Codec")["Int8Codec"]
+TensorInt8Codec = run_block("extending.md", "class TensorInt8Codec")["TensorInt8Codec"]
 
 
 def _inputs(n: int) -> list[np.ndarray]:
@@ -40,7 +40,7 @@ def _check(result: np.ndarray, inputs: list[np.ndarray]) -> None:
 @pytest.mark.parametrize("n", [1000, 300_001])
 def test_host_path(n):
     inputs = _inputs(n)
-    _check(cw.allreduce(inputs[COMM.rank], codec="int8", name=f"page-int8-host-{n}"), inputs)
+    _check(cw.allreduce(inputs[COMM.rank], codec="int8-tensor", name=f"page-int8-tensor-host-{n}"), inputs)
 
 
 @pytest.mark.parametrize("n", [1000, 300_001])
@@ -48,7 +48,7 @@ def test_device_path(n):
     inputs = _inputs(n)
     x = torch.from_numpy(inputs[COMM.rank].copy())
     with arrays.cpu_standin():
-        assert device_space(COMM, Int8Codec(), x) is not None  # the codec's own declaration puts it on the device
-        y = cw.allreduce(x, codec="int8", name=f"page-int8-device-{n}")
+        assert device_space(COMM, TensorInt8Codec(), x) is not None  # the codec's own declaration puts it on the device
+        y = cw.allreduce(x, codec="int8-tensor", name=f"page-int8-tensor-device-{n}")
     assert isinstance(y, torch.Tensor)
     _check(y.numpy(), inputs)

@@ -19,7 +19,7 @@ SPECS = [
     "none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "fp8-e5m2:block=7",
     "fp8-e4m3:sr", "nvfp4", "nvfp4:sr,seed=3", "hadamard+nvfp4", "ef+fp8-e4m3", "ef+nvfp4",
     "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64", "mxfp8-e4m3", "mxfp8-e5m2", "mxfp4", "mxfp4:sr,seed=3",
-    "ef+mxfp4",
+    "ef+mxfp4", "int8", "int4", "int8:block=7,sr", "ef+int4",
 ]
 
 
@@ -43,6 +43,8 @@ def test_wire_nbytes_exact(n):
     assert codecs.get("nvfp4").wire_nbytes(n) == -(-n // 2) + -(-n // 16) + 4
     assert codecs.get("mxfp8-e5m2").wire_nbytes(n) == n + -(-n // 32)
     assert codecs.get("mxfp4").wire_nbytes(n) == -(-n // 2) + -(-n // 32)
+    assert codecs.get("int8").wire_nbytes(n) == n + 4 * -(-n // 128)
+    assert codecs.get("int4:block=64").wire_nbytes(n) == -(-n // 2) + 4 * -(-n // 64)
     for spec in SPECS:
         codec = codecs.get(spec)
         assert codec.encode(gauss(n)).nbytes == codec.wire_nbytes(n)
@@ -59,7 +61,7 @@ def test_acceptance_bytes_per_element():
 # ---- accuracy (formats.md targets, within 10%) -------------------------------
 
 @pytest.mark.parametrize("spec,target", [("fp8-e4m3", 0.026), ("fp8-e5m2", 0.053), ("nvfp4", 0.095),
-                                         ("mxfp4", 0.115)])
+                                         ("mxfp4", 0.115), ("int8", 0.0065), ("int4", 0.097)])
 def test_gaussian_rel_l2_matches_formats_md(spec, target):
     err = rel_l2(codecs.get(spec), gauss(1 << 18))
     assert abs(err - target) <= 0.1 * target, err
@@ -201,6 +203,64 @@ def test_mx_saturates_the_top_of_the_binade():
     assert y[0] == 6.0 and y[1] == 0.5
 
 
+def int_reference(x, bits, block):
+    """Return INT8/INT4 wire bytes by the documented steps, in float32 numpy arithmetic."""
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    codes, scales = [], []
+    for lo in range(0, x.size, block):
+        xb = x[lo:lo + block]
+        amax = np.float32(np.max(np.abs(xb)))
+        if not np.isfinite(amax):
+            scales.append(np.float32(np.nan))
+            codes.append(np.zeros(xb.size, np.int8))
+            continue
+        scale = max(amax / qmax, np.float32(2.0**-126))
+        scales.append(scale)
+        codes.append(np.clip(np.rint(xb * (np.float32(1) / scale)), -qmax, qmax).astype(np.int8))
+    q = np.concatenate(codes).view(np.uint8)
+    if bits == 4:
+        q = np.concatenate([q & 0xF, np.zeros(q.size % 2, np.uint8)])
+        q = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+    return np.concatenate([q, np.array(scales, "<f4").view(np.uint8)])
+
+
+@pytest.mark.parametrize("bits,block", [(8, 128), (8, 7), (4, 32), (4, 2)])
+@pytest.mark.parametrize("n", [1, 2, 33, 1000, 16384 + 99])
+def test_int_layout_matches_reference(n, bits, block):
+    x = gauss(n, seed=n) * 7
+    x[: n // 3] *= 1e-30  # tiny blocks: the scale floor
+    if n > 300:
+        x[200:260] = 0.0
+        x[290] = np.nan
+    codec = codecs.IntCodec(bits=bits, block=block)
+    np.testing.assert_array_equal(codec.encode(x).data, int_reference(x, bits, block))
+    y = codec.decode(codec.encode(x))
+    blk = np.arange(n) // block
+    bad = np.isin(blk, blk[~np.isfinite(x)])
+    assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+
+
+@pytest.mark.parametrize("spec,top", [("int8:block=6", 127.0), ("int4:block=6", 7.0)])
+def test_int_rounds_ties_to_even(spec, top):
+    x = np.array([top, 2.5, -3.5, 0.5, 1.5, -0.5], np.float32)  # scale 1: every other value a tie
+    for arg in (x, torch.from_numpy(x)):
+        y = codecs.get(spec).decode(codecs.get(spec).encode(arg))
+        np.testing.assert_array_equal(np.asarray(y), [top, 2.0, -4.0, 0.0, 2.0, -0.0])
+
+
+def test_int_stochastic_rounding_is_unbiased():
+    x = np.full(1 << 16, 0.3, np.float32)
+    x[0] = 127.0  # scale 1: codes are 0 or 1 around 0.3
+    y = codecs.get("int8:sr,block=65536").decode(codecs.get("int8:sr,block=65536").encode(x))
+    assert set(np.unique(y[1:])) == {0.0, 1.0}
+    assert abs(y[1:].mean() - 0.3) < 0.01
+
+
+def test_int4_needs_an_even_block():
+    with pytest.raises(ValueError, match="even block"):
+        codecs.get("int4:block=7")
+
+
 def test_nvfp4_scales_and_packing_round_trip():
     # Values exactly representable as e2m1 * e4m3 * sg survive unchanged.
     rng = np.random.default_rng(0)
@@ -236,14 +296,17 @@ def test_nvfp4_underflowing_block_scale_is_guarded():
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_non_finite_stays_non_finite(spec):
-    x = gauss(100)
+    x = gauss(300)
     bad = [3, 40, 77]
     x[bad] = [np.nan, np.inf, -np.inf]
     y = codecs.get(spec).decode(codecs.get(spec).encode(x))
     assert not np.isfinite(y[bad]).any()
-    # Finite elements far from the bad ones stay accurate (no amax poisoning).
-    far = np.ones(100, bool)
-    far[[i for b in bad for i in range(b // 32 * 32, b // 32 * 32 + 32)]] = False
+    # Finite elements outside the bad ones' blocks stay accurate (no amax poisoning).
+    codec = codecs.get(spec.split("+")[-1])
+    block = codec.block if isinstance(codec, codecs.IntCodec) else 32  # the largest block of the others
+    far = np.ones(300, bool)
+    far[[i for b in bad for i in range(b // block * block, b // block * block + block)]] = False
+    assert far.sum() >= 128
     if far.any():
         assert np.all(np.isfinite(y[far]))
 
@@ -323,7 +386,7 @@ def test_cuda_reciprocal_emulation_changes_results(cuda_scalar_division):
 
 
 @pytest.mark.parametrize("spec", ["fp8-e4m3", "fp8-e5m2:block=7", "fp8-e4m3:block=32", "nvfp4", "ef+nvfp4",
-                                  "mxfp8-e4m3", "ef+mxfp4"])
+                                  "mxfp8-e4m3", "ef+mxfp4", "int8", "int4:block=6,sr"])
 def test_torch_kernels_divide_truly_where_cuda_takes_reciprocals(spec, cuda_scalar_division):
     # The device kernels must not divide a tensor by a Python number: on CUDA that is a multiply
     # by the reciprocal, and the scales written into the payload would differ from the host's.

@@ -17,8 +17,8 @@ from commwire import codecs
 
 torch = pytest.importorskip("torch")
 
-PAGE = run_block("extending.md", "class Int8Codec")
-Int8Codec = PAGE["Int8Codec"]
+PAGE = run_block("extending.md", "class TensorInt8Codec")
+TensorInt8Codec = PAGE["TensorInt8Codec"]
 
 
 def _bound(x: np.ndarray) -> float:
@@ -33,7 +33,7 @@ def _data(n: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("n", [1, 7, 1000])
 def test_round_trip_within_the_documented_bound(kind, n):
     x = _data(n, n)
-    codec = codecs.get("int8")
+    codec = codecs.get("int8-tensor")
     arg = x if kind == "numpy" else torch.from_numpy(x.copy())
     payload = codec.encode(arg)
     assert payload.nbytes == n + 4 == codec.wire_nbytes(n)
@@ -46,20 +46,20 @@ def test_round_trip_within_the_documented_bound(kind, n):
 
 def test_numpy_and_torch_kernels_write_the_same_bytes():
     x = _data(4096, 3)
-    codec = Int8Codec()
+    codec = TensorInt8Codec()
     host = codec.encode(x).data
     device = codec.encode(torch.from_numpy(x.copy())).data.numpy()
     np.testing.assert_array_equal(host, device)
 
 
 def test_the_spec_composes_with_wrapper_stages():
-    codec = codecs.get("ef+int8")
-    assert codec.spec == "ef+int8" and codec.wire_nbytes(10) == 14
-    assert type(codecs.get("int8")) is Int8Codec and Int8Codec.device_capable
+    codec = codecs.get("ef+int8-tensor")
+    assert codec.spec == "ef+int8-tensor" and codec.wire_nbytes(10) == 14
+    assert type(codecs.get("int8-tensor")) is TensorInt8Codec and TensorInt8Codec.device_capable
 
 
 def test_zeros_and_empty_tensors():
-    codec = codecs.get("int8")
+    codec = codecs.get("int8-tensor")
     for x in (np.zeros(5, np.float32), np.zeros(0, np.float32)):
         np.testing.assert_array_equal(codec.decode(codec.encode(x)), x)
 
