@@ -11,7 +11,7 @@ gloo; only the communication hook differs:
   at rank 4 (low-rank after 2 warm-up steps, with its error feedback; buckets
   chained, see ``_ordered_powersgd``: over gloo the unchained hook can hang);
 - ``commwire <codec>``: ``commwire.torch.ddp_hook(codec)`` (none, bf16, FP8,
-  NVFP4, MX, INT8/INT4, error feedback);
+  NVFP4, MX, INT8/INT4, sign, error feedback);
 - ``no communication``: the same steps under ``ddp.no_sync()`` — each rank
   trains alone, nothing is sent. Not a method: the floor any hook's step time
   sits on (forward, backward, optimizer), so the table shows how much of a
@@ -47,8 +47,8 @@ DEFAULT_CONFIGS = ("ddp", "ddp bf16", "ddp powersgd r1", "ddp powersgd r4", "com
                    "commwire fp8-e4m3", "commwire ef+fp8-e4m3", "commwire nvfp4", "commwire ef+nvfp4",
                    "no communication")
 CONFIGS = DEFAULT_CONFIGS + ("commwire mxfp8-e4m3", "commwire mxfp4", "commwire ef+mxfp4", "commwire int8",
-                             "commwire int4", "commwire ef+int4")
-"""Every configuration ``--configs`` accepts; the MX and integer ones run only when named."""
+                             "commwire int4", "commwire ef+int4", "commwire ef+sign")
+"""Every configuration ``--configs`` accepts; the MX, integer and sign ones run only when named."""
 OPTIMIZERS = ("adamw", "adamw-fused")
 
 
@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of ``commwire bench ddp``."""
     parser = argparse.ArgumentParser(prog="commwire bench ddp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                        help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all but the MX and integer ones)")
+                        help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all but the MX, integer and sign ones)")
     parser.add_argument("--d-model", type=int, default=192, help="transformer width (default 192)")
     parser.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")

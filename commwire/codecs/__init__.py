@@ -1,4 +1,4 @@
-"""Compress tensors for the wire: casts, FP8, NVFP4, MX, INT8/INT4, Hadamard rotation, error feedback.
+"""Compress tensors for the wire: casts, FP8, NVFP4, MX, INT8/INT4, sign, Hadamard rotation, error feedback.
 
 Get a codec from a spec string (grammar in :mod:`commwire.codecs.registry`)::
 
@@ -9,16 +9,18 @@ Get a codec from a spec string (grammar in :mod:`commwire.codecs.registry`)::
 
 Specs: ``none``, ``fp16``, ``bf16``, ``fp8-e4m3``, ``fp8-e5m2`` (options ``block=N``,
 ``sr``, ``seed=N``), ``int8``, ``int4`` (the same options), ``nvfp4``, ``mxfp8-e4m3``,
-``mxfp8-e5m2``, ``mxfp4`` (``sr``, ``seed=N``),
+``mxfp8-e5m2``, ``mxfp4`` (``sr``, ``seed=N``), ``sign`` (``block=N``),
 prefixed by wrapper stages ``ef+``, ``hadamard+`` (``size=N``, ``seed=N``) and ``gift+``.
 
 Wire bytes for n elements (``codec.wire_nbytes(n)``): none 4n; fp16/bf16 2n;
 FP8 n + 4 (per tensor) or n + 4*ceil(n/B) (block B); NVFP4 ceil(n/2) + ceil(n/16) + 4;
 MXFP8 n + ceil(n/32); MXFP4 ceil(n/2) + ceil(n/32); INT8 n + 4*ceil(n/B); INT4
-ceil(n/2) + 4*ceil(n/B). There is no header: receivers must know the codec.
+ceil(n/2) + 4*ceil(n/B); sign ceil(n/8) + 4*ceil(n/B). There is no header: receivers
+must know the codec.
 
 Non-finite values stay non-finite: NaN → NaN, ±Inf → ±Inf (fp16, bf16, E5M2) or NaN
-(E4M3); in NVFP4, MX and INT8/INT4 a block holding NaN/Inf decodes to NaN in all its elements.
+(E4M3); in NVFP4, MX, INT8/INT4 and sign a block holding NaN/Inf decodes to NaN in all
+its elements.
 Integer and boolean arrays raise TypeError. numpy arrays run on fused numba
 kernels (thread count: :func:`set_threads`); torch tensors (CPU or CUDA) on torch
 ops; cupy arrays through torch via DLPack. Format parameters are data:
@@ -39,6 +41,7 @@ from .integer import IntCodec, IntConfig
 from .mx import MxCodec, MxConfig
 from .nvfp4 import Nvfp4Codec, Nvfp4Config
 from .pipeline import Pipeline, Transform, pipeline
+from .sign import SignCodec, SignConfig
 from .registry import available, get, register_codec, register_stage
 
 __all__ = [
@@ -60,6 +63,8 @@ __all__ = [
     "MxConfig",
     "IntCodec",
     "IntConfig",
+    "SignCodec",
+    "SignConfig",
     "HadamardTransform",
     "HadamardConfig",
     "Gift",

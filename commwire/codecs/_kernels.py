@@ -1195,6 +1195,15 @@ def _mx_decode(out, codes, scodes, lut_s, lut_e, pack, add, f):
             _mx_dec_chunk(out[lo:hi], codes[lo:hi], s, lut_s, lut_e, pack, add, f)
 
 
+# ---- tasks of whole blocks (integer and sign codecs) ------------------------------
+
+
+@njit(inline="always")
+def _block_task(t, per, block, n, nb):
+    """Return (first element, end element, first block, end block) of task ``t`` of ``per`` blocks."""
+    return t * per * block, min((t + 1) * per * block, n), t * per, min((t + 1) * per, nb)
+
+
 # ---- symmetric integers (INT8, INT4) with FP32 block scales --------------------
 #
 # Per block: scale = max(amax / qmax, 2**-126) over all |x| (a non-finite block gets a NaN
@@ -1245,9 +1254,8 @@ def _int_encode(x, codes, scales, block, qmax, pack, sr, stream):
     nb = scales.size
     per = max(1, _CHUNK // block)  # blocks per task
     for t in prange((nb + per - 1) // per):
-        lo = t * per * block  # even for INT4: its blocks are even
-        hi = min(lo + per * block, n)
-        s = scales[t * per : min(t * per + per, nb)]
+        lo, hi, b0, b1 = _block_task(t, per, block, n, nb)  # lo is even for INT4: its blocks are even
+        s = scales[b0:b1]
         if pack:  # one code a byte first, then two a byte
             tmp = np.empty(hi - lo, np.uint8)
             _int_chunk(x[lo:hi], tmp, s, block, qmax, sr, stream, lo)
@@ -1293,15 +1301,82 @@ def _int_decode(out, codes, scales, block, pack, add):
     nb = scales.size
     per = max(1, _CHUNK // block)
     for t in prange((nb + per - 1) // per):
-        lo = t * per * block
-        hi = min(lo + per * block, n)
-        s = scales[t * per : min(t * per + per, nb)]
+        lo, hi, b0, b1 = _block_task(t, per, block, n, nb)
+        s = scales[b0:b1]
         if pack:
             c8 = np.empty(hi - lo, np.int8)
             _unpack_int4(codes[lo // 2 : (hi + 1) // 2], c8)
             _int_dec_chunk(out[lo:hi], c8, s, block, add)
         else:
             _int_dec_chunk(out[lo:hi], codes[lo:hi].view(np.int8), s, block, add)
+
+
+# ---- sign (1 bit per element) with a mean-|x| scale per block ----------------------
+#
+# Per block: scale = float32(sum |x| / count), the sum in float64 (exact for blocks whose
+# values span fewer than ~22 binades; beyond that the torch kernels' summation order may round
+# the scale differently in the last bit); a non-finite block gets a NaN scale. Bit k of byte j
+# is 1 when element 8j + k is negative. Blocks are whole bytes (a multiple of 8 elements).
+
+
+@_jit()
+def _sign_chunk(x, bits, scales, block):
+    n = x.size
+    for b in range(scales.size):
+        base = _U(b) * _U(block)
+        cnt = min(block, n - b * block)
+        acc = 0.0
+        for k in range(cnt):
+            acc += abs(np.float64(x[base + _U(k)]))
+        scales[b] = np.float32(acc / cnt) if acc < np.inf else np.float32(np.nan)
+    zero = np.float32(0.0)
+    for j in range(n // 8):  # whole bytes: eight comparisons, unrolled
+        i = _U(j) * _U(8)
+        bits[_U(j)] = np.uint8(
+            (x[i] < zero) | ((x[i + _U(1)] < zero) << 1) | ((x[i + _U(2)] < zero) << 2)
+            | ((x[i + _U(3)] < zero) << 3) | ((x[i + _U(4)] < zero) << 4) | ((x[i + _U(5)] < zero) << 5)
+            | ((x[i + _U(6)] < zero) << 6) | ((x[i + _U(7)] < zero) << 7))
+    if n % 8:  # a partial last byte (only at the tensor's end)
+        v = 0
+        for k in range(n % 8):
+            v |= (1 << k) if x[n - n % 8 + k] < zero else 0
+        bits[n // 8] = np.uint8(v)
+
+
+@_Driver
+def _sign_encode(x, bits, scales, block):
+    n = x.size
+    nb = scales.size
+    per = max(1, _CHUNK // block)
+    for t in prange((nb + per - 1) // per):
+        lo, hi, b0, b1 = _block_task(t, per, block, n, nb)  # lo is a multiple of 8: blocks are whole bytes
+        _sign_chunk(x[lo:hi], bits[lo // 8 : (hi + 7) // 8], scales[b0:b1], block)
+
+
+@_jit()
+def _sign_dec_chunk(out, bits, scales, block, add):
+    n = out.size
+    for b in range(scales.size):
+        s = scales[b]
+        base = _U(b) * _U(block)  # a multiple of 8: the block starts on a byte
+        cnt = min(block, n - b * block)
+        for j in range((cnt + 7) // 8):
+            byte = np.int32(bits[(base >> _U(3)) + _U(j)])
+            for k in range(min(8, cnt - 8 * j)):
+                i = base + _U(8 * j + k)
+                v = -s if (byte >> k) & 1 else s
+                v = s if s != s else v  # a NaN scale decodes to itself, sign bit included, as the other decoders'
+                out[i] = out[i] + v if add else v
+
+
+@_Driver
+def _sign_decode(out, bits, scales, block, add):
+    n = out.size
+    nb = scales.size
+    per = max(1, _CHUNK // block)
+    for t in prange((nb + per - 1) // per):
+        lo, hi, b0, b1 = _block_task(t, per, block, n, nb)
+        _sign_dec_chunk(out[lo:hi], bits[lo // 8 : (hi + 7) // 8], scales[b0:b1], block, add)
 
 
 # ---- backend API (same names and signatures as _torch_kernels) ----------------
@@ -1490,3 +1565,18 @@ def int_decode(codes, scales, block, pack, out) -> None:
 def int_decode_add(codes, scales, block, pack, out) -> None:
     """Add the values of :func:`int_decode` to ``out`` in one pass (same rounding as decode, then add)."""
     _int_decode(out, codes, scales, int(block), bool(pack), True)
+
+
+def sign_encode(x, bits, scales, block) -> None:
+    """Write sign bits (bit k of byte j: element 8j + k is negative) and mean-|x| block scales."""
+    _sign_encode(x, bits, scales, int(block))
+
+
+def sign_decode(bits, scales, block, out) -> None:
+    """Decode sign bits times their block scales into ``out``."""
+    _sign_decode(out, bits, scales, int(block), False)
+
+
+def sign_decode_add(bits, scales, block, out) -> None:
+    """Add the values of :func:`sign_decode` to ``out`` in one pass."""
+    _sign_decode(out, bits, scales, int(block), True)

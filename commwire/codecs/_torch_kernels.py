@@ -325,6 +325,44 @@ def int_decode_add(codes, scales, block, pack, out) -> None:
     out.add_(part)
 
 
+def sign_encode(x, bits, scales, block) -> None:
+    """Write sign bits (bit k of byte j: element 8j + k is negative) and mean-|x| block scales."""
+    n = x.numel()
+    if n == 0:
+        return
+    xb = _blocks(x, block)
+    acc = xb.double().abs().sum(dim=1)
+    counts = torch.full_like(acc, float(block))
+    counts[-1] = n - (acc.numel() - 1) * block
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=x.device)
+    scales.copy_(torch.where(torch.isfinite(acc), (acc / counts).to(torch.float32), nan))
+    neg = (x < 0).to(torch.int32)
+    pad = -n % 8
+    if pad:
+        neg = torch.cat([neg, neg.new_zeros(pad)])
+    weights = 2 ** torch.arange(8, dtype=torch.int32, device=x.device)
+    bits.copy_((neg.reshape(-1, 8) * weights).sum(dim=1).to(torch.uint8))
+
+
+def sign_decode(bits, scales, block, out) -> None:
+    """Decode sign bits times their block scales into ``out``."""
+    n = out.numel()
+    if n == 0:
+        return
+    b = bits.to(torch.int32)
+    neg = ((b[:, None] >> torch.arange(8, dtype=torch.int32, device=bits.device)) & 1).reshape(-1)[:n]
+    s = _blocks(torch.ones(n, dtype=torch.float32, device=out.device), block) * scales[:, None]
+    s = s.reshape(-1)[:n]
+    out.copy_(torch.where(torch.isnan(s) | (neg == 0), s, -s))  # a NaN scale decodes to itself, as on the CPU
+
+
+def sign_decode_add(bits, scales, block, out) -> None:
+    """Add the values of :func:`sign_decode` to ``out`` (decoded into a temporary, then added)."""
+    part = torch.empty_like(out)
+    sign_decode(bits, scales, block, part)
+    out.add_(part)
+
+
 def add_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``a + b`` into ``out`` (float32 vectors of one length; ``out`` may be ``a`` or ``b``)."""
     torch.add(a, b, out=out)

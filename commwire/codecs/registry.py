@@ -18,6 +18,8 @@ Codecs (the last stage), with their options:
   1.03125 / 0.53125 B/element; ``sr``, ``seed=N``.
 - ``int8``, ``int4``: symmetric integers with FP32 block scales, 1 + 4/B and 0.5 + 4/B
   B/element; ``block=N`` (default 128 / 32), ``sr``, ``seed=N``.
+- ``sign``: one bit per element and a mean-|x| FP32 scale per block, 0.125 + 4/B
+  B/element; ``block=N`` (a multiple of 8, default 128). Use it as ``ef+sign``.
 
 Wrapper stages (each wraps everything to its right):
 
@@ -48,6 +50,7 @@ from .integer import IntCodec
 from .mx import MxCodec
 from .nvfp4 import Nvfp4Codec
 from .pipeline import Pipeline
+from .sign import SignCodec
 
 __all__ = ["get", "register_codec", "register_stage", "available"]
 
@@ -68,6 +71,7 @@ _CODECS: dict[str, CodecFactory] = {
     "mxfp4": lambda **options: MxCodec(element="e2m1", **options),
     "int8": lambda **options: IntCodec(bits=8, **options),
     "int4": lambda **options: IntCodec(bits=4, **options),
+    "sign": SignCodec,
 }
 _STAGES: dict[str, StageFactory] = {
     "ef": ErrorFeedback,

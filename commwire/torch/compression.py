@@ -102,7 +102,8 @@ class Compression:
 
     ``fp8`` / ``nvfp4`` quantise with one scale per chunk (per 16 elements for
     NVFP4); ``mxfp8`` / ``mxfp4`` with one power-of-two scale per 32 elements (OCP
-    MX); ``int8`` / ``int4`` with one FP32 scale per 128 / 32 elements; the ``*_ef``
+    MX); ``int8`` / ``int4`` with one FP32 scale per 128 / 32 elements; ``sign_ef``
+    one bit per element with error feedback (EF-signSGD); the ``*_ef``
     variants add error feedback, which carries each step's
     quantisation error into the next step. Any ``commwire.codecs`` spec string
     is accepted wherever a Compression member is.
@@ -122,6 +123,7 @@ class Compression:
     int8 = CodecCompressor("int8")
     int4 = CodecCompressor("int4")
     int4_ef = CodecCompressor("ef+int4")
+    sign_ef = CodecCompressor("ef+sign")
     gift_fp8 = "gift+fp8-e4m3"  # GIFT transform (commwire.torch.gift): needs DistributedOptimizer(model=...)
     gift_nvfp4 = "gift+nvfp4"
 

@@ -19,7 +19,7 @@ SPECS = [
     "none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "fp8-e5m2:block=7",
     "fp8-e4m3:sr", "nvfp4", "nvfp4:sr,seed=3", "hadamard+nvfp4", "ef+fp8-e4m3", "ef+nvfp4",
     "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64", "mxfp8-e4m3", "mxfp8-e5m2", "mxfp4", "mxfp4:sr,seed=3",
-    "ef+mxfp4", "int8", "int4", "int8:block=7,sr", "ef+int4",
+    "ef+mxfp4", "int8", "int4", "int8:block=7,sr", "ef+int4", "sign", "ef+sign:block=8",
 ]
 
 
@@ -61,7 +61,8 @@ def test_acceptance_bytes_per_element():
 # ---- accuracy (formats.md targets, within 10%) -------------------------------
 
 @pytest.mark.parametrize("spec,target", [("fp8-e4m3", 0.026), ("fp8-e5m2", 0.053), ("nvfp4", 0.095),
-                                         ("mxfp4", 0.115), ("int8", 0.0065), ("int4", 0.097)])
+                                         ("mxfp4", 0.115), ("int8", 0.0065), ("int4", 0.097),
+                                         ("sign", (1 - 2 / np.pi) ** 0.5)])
 def test_gaussian_rel_l2_matches_formats_md(spec, target):
     err = rel_l2(codecs.get(spec), gauss(1 << 18))
     assert abs(err - target) <= 0.1 * target, err
@@ -248,6 +249,32 @@ def test_int_rounds_ties_to_even(spec, top):
         np.testing.assert_array_equal(np.asarray(y), [top, 2.0, -4.0, 0.0, 2.0, -0.0])
 
 
+@pytest.mark.parametrize("block", [8, 128])
+@pytest.mark.parametrize("n", [1, 9, 1000, 16384 + 99])
+def test_sign_layout_matches_reference(n, block):
+    x = gauss(n, seed=n) * 3
+    x[: n // 4] *= 1e-20
+    if n > 300:
+        x[200:260] = 0.0
+        x[290] = -np.inf
+    nb = -(-n // block)
+    xp = np.zeros(nb * block)
+    xp[:n] = x
+    counts = np.minimum(block, n - block * np.arange(nb))
+    scales = (np.abs(xp).reshape(nb, block).sum(axis=1) / counts).astype(np.float32)  # inf for the bad block
+    scales[~np.isfinite(scales)] = np.nan
+    want = np.concatenate([np.packbits(x < 0, bitorder="little"), scales.astype("<f4").view(np.uint8)])
+    codec = codecs.SignCodec(block=block)
+    np.testing.assert_array_equal(codec.encode(x).data, want)
+    y = codec.decode(codec.encode(x))
+    np.testing.assert_array_equal(y, np.where(x < 0, -1, 1) * np.repeat(scales, block)[:n])
+
+
+def test_sign_block_must_be_whole_bytes():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        codecs.get("sign:block=12")
+
+
 def test_int_stochastic_rounding_is_unbiased():
     x = np.full(1 << 16, 0.3, np.float32)
     x[0] = 127.0  # scale 1: codes are 0 or 1 around 0.3
@@ -303,7 +330,7 @@ def test_non_finite_stays_non_finite(spec):
     assert not np.isfinite(y[bad]).any()
     # Finite elements outside the bad ones' blocks stay accurate (no amax poisoning).
     codec = codecs.get(spec.split("+")[-1])
-    block = codec.block if isinstance(codec, codecs.IntCodec) else 32  # the largest block of the others
+    block = getattr(codec, "block", 32)  # IntCodec's and SignCodec's; 32 is the largest block of the others
     far = np.ones(300, bool)
     far[[i for b in bad for i in range(b // block * block, b // block * block + block)]] = False
     assert far.sum() >= 128

@@ -17,7 +17,7 @@ SPECS = [
     "none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=128", "fp8-e5m2:block=7",
     "nvfp4", "nvfp4:sr,seed=3", "ef+nvfp4", "ef+fp8-e4m3", "hadamard+nvfp4", "gift+fp8-e4m3",
     "ef+hadamard:size=32,seed=1+fp8-e4m3:block=64", "mxfp8-e4m3", "mxfp4", "mxfp4:sr,seed=3", "int8",
-    "int4:sr,seed=2", "int8:block=7",
+    "int4:sr,seed=2", "int8:block=7", "sign", "ef+sign:block=8",
 ]
 FUSED = ["fp16", "bf16", "fp8-e4m3", "fp8-e4m3:block=128", "nvfp4", "ef+nvfp4", "gift+fp8-e4m3"]
 LENGTHS = [0, 1, 15, 17, 1001, 16384 + 33, 70001]
@@ -284,7 +284,7 @@ def test_16bit_fast_paths_match_generic_kernels(name, offset):
 
 @pytest.mark.parametrize("spec", ["bf16", "fp8-e4m3", "fp8-e5m2:block=128", "nvfp4", "nvfp4:sr,seed=3",
                                   "ef+fp8-e4m3", "hadamard+nvfp4", "mxfp8-e5m2:sr", "mxfp4",
-                                  "int8:block=7", "int4:sr"])
+                                  "int8:block=7", "int4:sr", "sign:block=24"])
 def test_threaded_and_serial_kernels_give_the_same_bits(spec):
     n = 16384 * 3 + 5  # several chunks: the threaded driver runs at 2 threads
     x = data(n, seed=11)

@@ -9,7 +9,7 @@ from hypothesis.extra import numpy as hnp
 from commwire import codecs
 
 SPECS = ["none", "fp16", "bf16", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3:block=5", "nvfp4", "nvfp4:sr",
-         "hadamard:size=4+fp8-e4m3", "ef+nvfp4", "mxfp8-e4m3", "mxfp4", "int8", "int4:block=6"]
+         "hadamard:size=4+fp8-e4m3", "ef+nvfp4", "mxfp8-e4m3", "mxfp4", "int8", "int4:block=6", "sign:block=8"]
 # Largest |error| / block amax each codec allows on finite data.
 TOLERANCE = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2, "fp8-e4m3": 0.07, "fp8-e5m2": 0.13,
              "fp8-e4m3:block=5": 0.07, "nvfp4": 0.26, "nvfp4:sr": 0.5, "hadamard:size=4+fp8-e4m3": 0.2,
@@ -17,7 +17,9 @@ TOLERANCE = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2, "fp8-e4m3": 0.07, "fp8-e5m
              # MX: amax / scale lies in [2**emax, 2**(emax+1)) and saturates at max_finite (448 of 512, 6 of 8).
              "mxfp8-e4m3": 0.125, "mxfp4": 0.25,
              # integers: half a step, amax / (2 * qmax)
-             "int8": 0.5 / 127 * 1.001, "int4:block=6": 0.5 / 7 * 1.001}
+             "int8": 0.5 / 127 * 1.001, "int4:block=6": 0.5 / 7 * 1.001,
+             # sign: |x -/+ mean|x|| <= amax
+             "sign:block=8": 1.0 + 1e-6}
 
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=40)
 finite = st.floats(-1e6, 1e6, width=32, allow_subnormal=True)

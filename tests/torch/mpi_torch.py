@@ -125,7 +125,7 @@ def _fit(compression: str, steps: int = 150) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "fp8-e4m3", "ef+fp8-e4m3", "nvfp4", "ef+nvfp4", "ef+mxfp4",
-                                         "int8"])
+                                         "int8", "ef+sign"])
 def test_each_compression_converges(compression):
     first, fp32 = _fit("none")
     _, final = _fit(compression)
