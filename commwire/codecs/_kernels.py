@@ -1016,6 +1016,15 @@ def _fp8_feedback(y, out, r, inv, scale, f):
             _ef_e5m2_slice(y[lo:hi], out[lo:hi], r[lo:hi], scale)
 
 
+# ---- tasks of whole blocks (MX, integer and sign codecs) --------------------------
+
+
+@njit(inline="always")
+def _block_task(t, per, block, n, nb):
+    """Return (first element, end element, first block, end block) of task ``t`` of ``per`` blocks."""
+    return t * per * block, min((t + 1) * per * block, n), t * per, min((t + 1) * per, nb)
+
+
 # ---- MX (OCP): 32-element blocks with E8M0 power-of-two scales ------------------
 #
 # Per block: the largest |x| as bits (non-finite included); its float32 exponent field is
@@ -1123,14 +1132,11 @@ def _mx_chunk(x, out, scodes, p, emax, pack, sr, stream, start, f):
 @_Driver
 def _mx_encode(x, out, scodes, p, emax, pack, sr, stream, f):
     n = x.size
-    for c in prange((n + _CHUNK - 1) // _CHUNK):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, n)
-        s = scodes[lo // _MX_BLOCK : (hi + _MX_BLOCK - 1) // _MX_BLOCK]
-        if pack:
-            _mx_chunk(x[lo:hi], out[lo // 2 : (hi + 1) // 2], s, p, emax, pack, sr, stream, lo, f)
-        else:
-            _mx_chunk(x[lo:hi], out[lo:hi], s, p, emax, pack, sr, stream, lo, f)
+    per = _CHUNK // _MX_BLOCK  # tasks of _CHUNK elements
+    for t in prange((scodes.size + per - 1) // per):
+        lo, hi, b0, b1 = _block_task(t, per, _MX_BLOCK, n, scodes.size)
+        codes = out[lo // 2 : (hi + 1) // 2] if pack else out[lo:hi]
+        _mx_chunk(x[lo:hi], codes, scodes[b0:b1], p, emax, pack, sr, stream, lo, f)
 
 
 @_jit()
@@ -1185,23 +1191,11 @@ def _mx_dec_chunk(out, codes, scodes, lut_s, lut_e, pack, add, f):
 @_Driver
 def _mx_decode(out, codes, scodes, lut_s, lut_e, pack, add, f):
     n = out.size
-    for c in prange((n + _CHUNK - 1) // _CHUNK):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, n)
-        s = scodes[lo // _MX_BLOCK : (hi + _MX_BLOCK - 1) // _MX_BLOCK]
-        if pack:
-            _mx_dec_chunk(out[lo:hi], codes[lo // 2 : (hi + 1) // 2], s, lut_s, lut_e, pack, add, f)
-        else:
-            _mx_dec_chunk(out[lo:hi], codes[lo:hi], s, lut_s, lut_e, pack, add, f)
-
-
-# ---- tasks of whole blocks (integer and sign codecs) ------------------------------
-
-
-@njit(inline="always")
-def _block_task(t, per, block, n, nb):
-    """Return (first element, end element, first block, end block) of task ``t`` of ``per`` blocks."""
-    return t * per * block, min((t + 1) * per * block, n), t * per, min((t + 1) * per, nb)
+    per = _CHUNK // _MX_BLOCK
+    for t in prange((scodes.size + per - 1) // per):
+        lo, hi, b0, b1 = _block_task(t, per, _MX_BLOCK, n, scodes.size)
+        c = codes[lo // 2 : (hi + 1) // 2] if pack else codes[lo:hi]
+        _mx_dec_chunk(out[lo:hi], c, scodes[b0:b1], lut_s, lut_e, pack, add, f)
 
 
 # ---- symmetric integers (INT8, INT4) with FP32 block scales --------------------

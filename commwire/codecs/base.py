@@ -35,7 +35,7 @@ import numpy as np
 
 from ..comm import arrays
 
-__all__ = ["Codec", "Wrapper", "Payload", "CodecState", "Span", "stream_id", "next_stream", "kernels",
+__all__ = ["Codec", "KernelCodec", "Wrapper", "Payload", "CodecState", "Span", "stream_id", "next_stream", "kernels",
            "check_float", "check_rounding", "rounding_options"]
 
 _STATE_VERSION = 1
@@ -370,6 +370,31 @@ class Codec(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+class KernelCodec(Codec):
+    """A codec that decodes with one backend kernel and adds with its ``_add`` twin.
+
+    Subclasses name the kernel (``decode_kernel = "mx_decode"``: ``mx_decode`` and
+    ``mx_decode_add`` of the module :func:`kernels` picks) and return its arguments before
+    ``out`` from :meth:`_decode_args`; the kernel pair stays bit-identical (decode, then add).
+    """
+
+    decode_kernel: str = ""
+    """Name of the decode kernel in ``_kernels`` / ``_torch_kernels``."""
+
+    @abc.abstractmethod
+    def _decode_args(self, buf: Any, n: int, k: ModuleType) -> tuple:
+        """Return the decode kernel's arguments before ``out`` for ``n`` elements in ``buf`` (``k``: the kernels)."""
+
+    def _decode(self, buf: Any, n: int, out: Any) -> Any:
+        k = kernels(arrays.kind_of(buf))
+        getattr(k, self.decode_kernel)(*self._decode_args(buf, n, k), out)
+        return out
+
+    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
+        k = kernels(arrays.kind_of(buf))
+        getattr(k, self.decode_kernel + "_add")(*self._decode_args(buf, n, k), out)
 
 
 class Wrapper(Codec):

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ..comm import arrays
-from .base import Codec, check_rounding, kernels, next_stream, rounding_options
+from .base import KernelCodec, check_rounding, kernels, next_stream, rounding_options
 from .formats import get_format
 
 __all__ = ["Fp8Codec", "Fp8Config"]
@@ -58,10 +59,11 @@ class Fp8Config:
         check_rounding("Fp8Config", self.rounding, self.seed)
 
 
-class Fp8Codec(Codec):
+class Fp8Codec(KernelCodec):
     """Encode to FP8 codes plus FP32 scales (1 byte per element + scales)."""
 
     device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+    decode_kernel = "decode_blocks"
 
     def __init__(self, config: Fp8Config | None = None, **settings: Any) -> None:
         super().__init__()
@@ -115,13 +117,5 @@ class Fp8Codec(Codec):
         k.put_f32(out[n:], scale)
         return True
 
-    def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        k = kernels(arrays.kind_of(buf))
-        scales = k.get_f32(buf[n:])
-        k.decode_blocks(buf[:n], scales, self.config.block or n, self.format.lut(), out)
-        return out
-
-    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        k = kernels(arrays.kind_of(buf))
-        scales = k.get_f32(buf[n:])
-        k.decode_blocks_add(buf[:n], scales, self.config.block or n, self.format.lut(), out)
+    def _decode_args(self, buf: Any, n: int, k: ModuleType) -> tuple:
+        return buf[:n], k.get_f32(buf[n:]), self.config.block or n, self.format.lut()

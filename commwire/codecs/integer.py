@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from types import ModuleType
 from typing import Any
 
 from ..comm import arrays
-from .base import Codec, check_rounding, kernels, next_stream, rounding_options
+from .base import KernelCodec, check_rounding, kernels, next_stream, rounding_options
 
 __all__ = ["IntCodec", "IntConfig"]
 
@@ -61,10 +62,11 @@ class IntConfig:
         check_rounding("IntConfig", self.rounding, self.seed)
 
 
-class IntCodec(Codec):
+class IntCodec(KernelCodec):
     """Encode to symmetric INT8 or INT4 codes plus FP32 block scales."""
 
     device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+    decode_kernel = "int_decode"
 
     def __init__(self, config: IntConfig | None = None, **settings: Any) -> None:
         super().__init__()
@@ -99,14 +101,6 @@ class IntCodec(Codec):
         k.int_encode(x, out[:nc], scales, self.block, self.qmax, self.packed, sr=sr, stream=stream)
         k.put_f32(out[nc:], scales)
 
-    def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        self._run_decode(buf, n, out, "int_decode")
-        return out
-
-    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        self._run_decode(buf, n, out, "int_decode_add")
-
-    def _run_decode(self, buf: Any, n: int, out: Any, kernel: str) -> None:
-        k = kernels(arrays.kind_of(buf))
+    def _decode_args(self, buf: Any, n: int, k: ModuleType) -> tuple:
         nc = self._ncodes(n)
-        getattr(k, kernel)(buf[:nc], k.get_f32(buf[nc:]), self.block, self.packed, out)
+        return buf[:nc], k.get_f32(buf[nc:]), self.block, self.packed

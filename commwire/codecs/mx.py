@@ -29,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Hashable
+from types import ModuleType
 from typing import Any
 
 from ..comm import arrays
-from .base import Codec, check_rounding, kernels, next_stream, rounding_options
+from .base import KernelCodec, check_rounding, kernels, next_stream, rounding_options
 from .formats import get_format
 
 __all__ = ["MxCodec", "MxConfig", "MX_NAMES"]
@@ -61,10 +62,11 @@ class MxConfig:
         check_rounding("MxConfig", self.rounding, self.seed)
 
 
-class MxCodec(Codec):
+class MxCodec(KernelCodec):
     """Encode to MXFP8 (1.03125 bytes per element) or MXFP4 (0.53125 bytes per element)."""
 
     device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+    decode_kernel = "mx_decode"
 
     def __init__(self, config: MxConfig | None = None, **settings: Any) -> None:
         super().__init__()
@@ -97,14 +99,6 @@ class MxCodec(Codec):
         stream = next_stream(self.state, self.config.seed, key) if sr else 0
         k.mx_encode(x, out[:nc], out[nc:], self.elem.kernel_params(), self.emax, self.packed, sr=sr, stream=stream)
 
-    def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        self._run_decode(buf, n, out, "mx_decode")
-        return out
-
-    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        self._run_decode(buf, n, out, "mx_decode_add")
-
-    def _run_decode(self, buf: Any, n: int, out: Any, kernel: str) -> None:
-        k = kernels(arrays.kind_of(buf))
+    def _decode_args(self, buf: Any, n: int, k: ModuleType) -> tuple:
         nc = self._ncodes(n)
-        getattr(k, kernel)(buf[:nc], buf[nc:], self.scale.lut(), self.elem.lut(), self.packed, out)
+        return buf[:nc], buf[nc:], self.scale.lut(), self.elem.lut(), self.packed

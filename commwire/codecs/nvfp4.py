@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from types import ModuleType
 from typing import Any
 
 from ..comm import arrays
-from .base import Codec, check_rounding, kernels, next_stream, rounding_options
+from .base import KernelCodec, check_rounding, kernels, next_stream, rounding_options
 from .formats import get_format
 
 __all__ = ["Nvfp4Codec", "Nvfp4Config"]
@@ -46,10 +47,11 @@ class Nvfp4Config:
         check_rounding("Nvfp4Config", self.rounding, self.seed)
 
 
-class Nvfp4Codec(Codec):
+class Nvfp4Codec(KernelCodec):
     """Encode to NVFP4 (0.5625 bytes per element + 4 bytes per tensor)."""
 
     device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+    decode_kernel = "nvfp4_decode"
 
     def __init__(self, config: Nvfp4Config | None = None, **settings: Any) -> None:
         super().__init__()
@@ -85,15 +87,7 @@ class Nvfp4Codec(Codec):
         )
         k.put_f32(out[npacked + nb :], sg)
 
-    def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        self._run_decode(buf, n, out, "nvfp4_decode")
-        return out
-
-    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        self._run_decode(buf, n, out, "nvfp4_decode_add")
-
-    def _run_decode(self, buf: Any, n: int, out: Any, kernel: str) -> None:
-        k = kernels(arrays.kind_of(buf))
+    def _decode_args(self, buf: Any, n: int, k: ModuleType) -> tuple:
         npacked, nb = -(-n // 2), -(-n // BLOCK)
         sg = k.get_f32(buf[npacked + nb :])[0]
-        getattr(k, kernel)(buf[:npacked], buf[npacked : npacked + nb], sg, self.scale.lut(), self.elem.lut(), out)
+        return buf[:npacked], buf[npacked : npacked + nb], sg, self.scale.lut(), self.elem.lut()

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from types import ModuleType
 from typing import Any
 
 from ..comm import arrays
-from .base import Codec, kernels
+from .base import KernelCodec, kernels
 
 __all__ = ["SignCodec", "SignConfig"]
 
@@ -45,10 +46,11 @@ class SignConfig:
                              "(a block is whole bytes of sign bits), e.g. sign:block=128")
 
 
-class SignCodec(Codec):
+class SignCodec(KernelCodec):
     """Encode to sign bits plus FP32 block scales (0.125 + 4/block bytes per element)."""
 
     device_capable = True  # torch kernels (_torch_kernels) run on the tensor's device
+    decode_kernel = "sign_decode"
 
     def __init__(self, config: SignConfig | None = None, **settings: Any) -> None:
         super().__init__()
@@ -68,18 +70,11 @@ class SignCodec(Codec):
     def _encode(self, x: Any, out: Any, key: Hashable) -> None:
         k = kernels(arrays.kind_of(x))
         n = int(x.shape[0])
-        scales = arrays.empty_f32(x, -(-n // self.block))
-        k.sign_encode(x, out[: -(-n // 8)], scales, self.block)
-        k.put_f32(out[-(-n // 8):], scales)
-
-    def _decode(self, buf: Any, n: int, out: Any) -> Any:
-        self._run_decode(buf, n, out, "sign_decode")
-        return out
-
-    def _decode_add(self, buf: Any, n: int, out: Any) -> None:
-        self._run_decode(buf, n, out, "sign_decode_add")
-
-    def _run_decode(self, buf: Any, n: int, out: Any, kernel: str) -> None:
-        k = kernels(arrays.kind_of(buf))
         nbits = -(-n // 8)
-        getattr(k, kernel)(buf[:nbits], k.get_f32(buf[nbits:]), self.block, out)
+        scales = arrays.empty_f32(x, -(-n // self.block))
+        k.sign_encode(x, out[:nbits], scales, self.block)
+        k.put_f32(out[nbits:], scales)
+
+    def _decode_args(self, buf: Any, n: int, k: ModuleType) -> tuple:
+        nbits = -(-n // 8)
+        return buf[:nbits], k.get_f32(buf[nbits:]), self.block
