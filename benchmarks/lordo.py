@@ -11,6 +11,12 @@ averaged gradient, DiLoCo and LoRDO their local one. Arms (``ARMS``):
   basis from the averaged gradient every K steps);
 - ``lordo``, ``lordo-omega1`` (ω = 1: pure global-projection low-rank local
   Adam, the variant that stagnates), ``diloco``: one sync every K steps;
+- ``streaming-diloco`` (off by default): Streaming DiLoCo's setting, 4 fragments
+  taking turns (each syncs once per K steps, a quarter of the model at a time),
+  each in flight for τ = 1 step, α = 0.5; ``streaming-diloco-nvfp4`` also sends
+  its pseudo-gradients in NVFP4 (the paper's 4-bit outer gradients); its ablations
+  ``diloco-fragments`` (the 4 fragments, blocking, no mixing) and ``diloco-delay-mix``
+  (the whole model in flight for a step, α = 0.5);
 - extra LoRDO variants, off by default: ``lordo-broadcast`` (QH denominator
   broadcast instead of scalar), ``lordo-ef-none``, ``lordo-ef-lowrank``
   (optimizer state O(r(m+n))), ``lordo-warmup`` (the authors' DDP warm-up,
@@ -61,7 +67,7 @@ class Arm:
     family: str
     """"ddp", "lowrank-ddp", "diloco" or "lordo"."""
     options: dict[str, Any] = field(default_factory=dict)
-    """LoRDO keyword arguments (for the "lordo" family)."""
+    """LoRDO or DiLoCo keyword arguments (for the "lordo" and "diloco" families)."""
 
 
 ARMS = {
@@ -70,6 +76,15 @@ ARMS = {
     "lordo": Arm("LoRDO", "lordo"),
     "lordo-omega1": Arm("LoRDO ω=1", "lordo", {"omega": 1.0}),
     "diloco": Arm("DiLoCo", "diloco"),
+    "streaming-diloco": Arm("Streaming DiLoCo P=4 τ=1 α=0.5", "diloco",
+                            {"fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}),
+    "streaming-diloco-nvfp4": Arm("Streaming DiLoCo P=4 τ=1 α=0.5, NVFP4 Δ", "diloco",
+                                  {"fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
+                                   "codec": "nvfp4"}),
+    # Ablations of Streaming DiLoCo: the fragments alone (blocking, no mixing), the delay and mixing alone.
+    "diloco-fragments": Arm("DiLoCo in 4 fragments (τ=0, α=0)", "diloco", {"fragments": 4}),
+    "diloco-delay-mix": Arm("DiLoCo, whole model, τ=1 α=0.5", "diloco",
+                            {"fragment_sync_delay": 1, "fragment_update_alpha": 0.5}),
     "lordo-broadcast": Arm("LoRDO, broadcast D", "lordo", {"qh_denominator": "broadcast"}),
     "lordo-ef-none": Arm("LoRDO, no EF", "lordo", {"error_feedback": "none"}),
     "lordo-ef-lowrank": Arm("LoRDO, rank-r EF", "lordo", {"error_feedback": "lowrank"}),
@@ -163,7 +178,7 @@ def build_optimizer(arm: Arm, model: Any, lr: float, setup: Setup) -> Any:
         inner = hvd.LowRankAdam([p for _, p in named], rank=setup.rank, refresh_every=setup.sync_every, **adam)
         return hvd.DistributedOptimizer(inner, named_parameters=named)
     if arm.family == "diloco":
-        return hvd.DiLoCo(named, sync_every=setup.sync_every, **outer, **adam)
+        return hvd.DiLoCo(named, sync_every=setup.sync_every, **outer, **adam, **arm.options)
     options = {"omega": setup.omega, "clip": setup.clip, "sync_states": setup.sync_states,
                "sync_every": setup.sync_every, **arm.options}
     if "switch_betas" in options:
@@ -252,6 +267,7 @@ def train_arm(name: str, lr: float, seed: int, setup: Setup, corpus: Any, comm: 
     row = {"arm": name, "label": arm.label, "lr": lr, "seed": seed, "val": val_loss(model, corpus, comm, setup.context),
            "bytes_per_step": sent / setup.steps, "state_bytes": hvd.state_nbytes(inner),
            "wall_s": float(comm.allreduce(np.array([wall]), "max")[0]),
+           "largest_sync_bytes": getattr(inner, "bytes_per_sync", sent / setup.steps),
            "finite": bool(all(torch.isfinite(p).all() for p in params))}
     if isinstance(opt, hvd.LoRDO):
         row["stagnation"] = _stagnation(opt.diagnostics, setup.rank)
@@ -315,6 +331,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                      **per_lr[best], "edge": len(grid) > 1 and best in (grid[0], grid[-1]),
                      "bytes_per_step": float(np.mean([r["bytes_per_step"] for r in at_best])),
                      "state_bytes": int(at_best[0]["state_bytes"]),
+                     "largest_sync_bytes": float(max(r.get("largest_sync_bytes", 0.0) for r in at_best)),
                      "wall_s": float(np.mean([r["wall_s"] for r in at_best]))}
         stag = [r["stagnation"] for r in at_best if r.get("stagnation")]
         if stag:
@@ -338,14 +355,15 @@ def format_report(summary: dict[str, dict[str, Any]], setup: Setup, ranks: int, 
              f"ω={setup.omega}, clip ρ={setup.clip}; seeds {list(seeds)}; validation loss in nats/byte "
              "(mean ± std over seeds at each arm's best LR)", "",
              "| arm | best lr | val loss | vs DDP-Adam | vs low-rank DDP | bytes/step | DDP bytes ÷ | "
-             "optimizer state | s/run |", "|---|---|---|---|---|---|---|---|---|"]
+             "largest sync | optimizer state | s/run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary.values():
         edge = " (grid edge)" if s["edge"] else ""
         ratio = f"{ddp['bytes_per_step'] / s['bytes_per_step']:.1f}×" if ddp and s["bytes_per_step"] else "–"
         lines.append(f"| {s['label']} | {s['best_lr']:g}{edge} | {s['mean']:.4f} ± {s['std']:.4f} | "
                      f"{_pct(s['mean'], ddp['mean']) if ddp else '–'} | "
                      f"{_pct(s['mean'], low['mean']) if low else '–'} | "
-                     f"{s['bytes_per_step'] / 1e3:.1f} kB | {ratio} | {s['state_bytes'] / 2 ** 20:.2f} MiB | "
+                     f"{s['bytes_per_step'] / 1e3:.1f} kB | {ratio} | {s['largest_sync_bytes'] / 1e3:.1f} kB | "
+                     f"{s['state_bytes'] / 2 ** 20:.2f} MiB | "
                      f"{s['wall_s']:.1f} |")
     grid = sorted({lr for s in summary.values() for lr in s["grid"]})
     lines += ["", "Validation loss per learning rate (mean ± std over seeds):", "",

@@ -337,6 +337,13 @@ class FusionBuffer:
         self._next = 0
         return dict(self._views)
 
+    def discard(self) -> None:
+        """Forget the buckets in flight without waiting (their communicator failed); reset for a new round."""
+        for b in self.buckets:
+            b.handle = None
+            b.filled = [False] * len(b.names)
+        self._next = 0
+
     def state_dict(self) -> dict[str, Any]:
         """Return the codec state (keyed by the stable bucket ids) for checkpoints."""
         return {"codec": self.codec.state_dict() if self.codec is not None else None,

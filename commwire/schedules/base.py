@@ -90,14 +90,19 @@ def wire_bytes(codec: Any, nbytes: int, itemsize: int) -> int:
     return int(c.wire_nbytes(nbytes // itemsize))
 
 
-def fused_average(named: Sequence[tuple[str, Any]], comm: Communicator, codec: Any) -> FusionBuffer | None:
-    """Return a FusionBuffer that averages ``named`` in one all-reduce per dtype and device (None if empty)."""
+def fused_average(named: Sequence[tuple[str, Any]], comm: Communicator, codec: Any,
+                  overlap: bool = False) -> FusionBuffer | None:
+    """Return a FusionBuffer that averages ``named`` in one all-reduce per dtype and device (None if empty).
+
+    ``overlap=False`` moves the buckets when waited for (a schedule that communicates between
+    steps has no backward pass to overlap with); True moves them on the background lane (a
+    sync that stays in flight while the next steps compute).
+    """
     if not named:
         return None
-    # No size limit and no small first bucket: the fewest messages. Run when waited for: a schedule
-    # communicates between steps, so there is no backward pass to overlap with.
+    # No size limit and no small first bucket: the fewest messages.
     return FusionBuffer(list(named), comm=comm, op="avg", codec=codec, threshold_bytes=sys.maxsize,
-                        first_bucket_bytes=0, overlap=False)
+                        first_bucket_bytes=0, overlap="lane" if overlap else False)
 
 
 def fused_bytes(fb: FusionBuffer | None, codec: Any) -> int:

@@ -101,11 +101,14 @@ class LocalSync(Ticker):
             states to average at each sync (the arrays themselves are passed to
             :meth:`sync`, since an optimizer may replace them, e.g. on load).
         check: verify that ``params`` are identical on every rank.
+        overlap: move the pseudo-gradients on the communicator's background lane between
+            :meth:`begin` and :meth:`finish` (Streaming DiLoCo's delayed syncs); False: move them
+            when :meth:`finish` waits.
     """
 
     def __init__(self, params: Sequence[tuple[str, Any]], config: LocalSyncConfig | None = None, *,
                  comm: Communicator | None = None, states: Sequence[tuple[str, Any]] = (),
-                 check: bool = True) -> None:
+                 check: bool = True, overlap: bool = False) -> None:
         self.comm = comm = default_comm(comm)
         self.config = config if config is not None else LocalSyncConfig()
         self.params = list(params)
@@ -116,7 +119,8 @@ class LocalSync(Ticker):
         self.reference = {name: copy(x) for name, x in self.params}
         self.momentum = ({name: zeros_like(x) for name, x in self.params}
                          if self.config.outer_momentum > 0 else {})
-        self._pseudo = fused_average(self.params, comm, self.config.codec)
+        self._pseudo = fused_average(self.params, comm, self.config.codec, overlap=overlap)
+        self._delta: dict[str, Any] | None = None  # the averaged pseudo-gradient, once waited for
         self.state_names = [name for name, _ in states]
         self._states = fused_average(list(states), comm, self.config.state_codec)
         self.steps = 0
@@ -146,19 +150,56 @@ class LocalSync(Ticker):
         Returns:
             ``{name: averaged pseudo-gradient}`` as views valid until the next sync.
         """
+        self.begin()
+        return self.finish(states)
+
+    def begin(self) -> None:
+        """Start averaging θ_ref − θ as the weights are now; :meth:`finish` completes it.
+
+        With ``overlap=True`` the message moves on the background lane while the caller
+        trains on; the weights may change in between (the pseudo-gradient was copied).
+        """
+        if self.in_flight:
+            raise RuntimeError("begin() was called twice without finish(); finish the sync in flight first")
         for name, x in self.params:
             slot = self._pseudo.view(name)
             slot[...] = self.reference[name]
             slot -= x
             self._pseudo.mark(name)
-        delta = self._pseudo.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        """Return whether a sync was begun and not yet finished."""
+        return self._delta is not None or self._pseudo.in_flight() > 0
+
+    def collect(self) -> dict[str, Any] | None:
+        """Wait for the sync in flight (if any) and return its averaged pseudo-gradient without applying it."""
+        if self._delta is None and self._pseudo.in_flight():
+            self._delta = self._pseudo.wait()
+        return self._delta
+
+    def finish(self, states: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Wait for the sync :meth:`begin` started, average ``states`` in place, count it; return the average."""
+        delta = self.collect()
+        if delta is None:
+            raise RuntimeError("finish() was called without begin(); begin a sync first")
+        self._delta = None
         if self._states is not None:
             self._average_states(states or {})
         self.syncs += 1
         return delta
 
-    def outer_step(self, delta: Mapping[str, Any]) -> None:
-        """Apply the configured outer SGD step to :attr:`reference` and restart every rank's weights from it."""
+    def abandon(self) -> None:
+        """Forget a sync in flight whose communicator failed; θ_ref is unchanged, so the next sync carries it."""
+        self._delta = None
+        self._pseudo.discard()
+
+    def outer_step(self, delta: Mapping[str, Any], alpha: float = 0.0) -> None:
+        """Apply the configured outer SGD step to :attr:`reference` and restart every rank's weights from it.
+
+        ``alpha`` > 0 keeps that share of the local weights (Streaming DiLoCo's mixing):
+        θ = (1 − α)·θ_ref + α·θ.
+        """
         cfg = self.config
         for name, x in self.params:
             d, ref = delta[name], self.reference[name]
@@ -171,7 +212,17 @@ class LocalSync(Ticker):
                 ref -= d
             else:
                 ref -= cfg.outer_lr * d
-            x[...] = ref
+        self.restart(alpha)
+
+    def restart(self, alpha: float = 0.0) -> None:
+        """Set the weights to θ_ref (``alpha`` = 0) or to (1 − α)·θ_ref + α·θ."""
+        for name, x in self.params:
+            ref = self.reference[name]
+            if alpha == 0.0:
+                x[...] = ref
+            else:
+                x *= alpha
+                x += (1.0 - alpha) * ref
 
     def rebase(self) -> dict[str, Any]:
         """Return θ_ref − θ without communicating and restart the reference from θ (no outer step).
@@ -215,6 +266,11 @@ class LocalSync(Ticker):
         return fused_bytes(self._pseudo, self.config.codec) + fused_bytes(self._states, self.config.state_codec)
 
     @property
+    def bytes_per_period(self) -> int:
+        """Return the bytes of one period of ``sync_every`` steps: one sync."""
+        return self.bytes_per_sync
+
+    @property
     def messages_per_sync(self) -> int:
         """Return the number of collectives one sync issues."""
         return sum(len(fb.buckets) for fb in (self._pseudo, self._states) if fb is not None)
@@ -229,8 +285,14 @@ class LocalSync(Ticker):
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return copies of the reference weights, outer momentum, counters and codec state."""
+        """Return copies of the reference weights, outer momentum, counters and codec state.
+
+        A sync in flight is waited for first: its averaged pseudo-gradient is saved
+        (``"pending"``), and :meth:`finish` after a load returns it without communicating.
+        """
+        pending = self.collect()
         return {
+            "pending": None if pending is None else {n: copy(x) for n, x in pending.items()},
             "steps": self.steps,
             "syncs": self.syncs,
             "reference": {n: copy(x) for n, x in self.reference.items()},
@@ -255,6 +317,9 @@ class LocalSync(Ticker):
                 mine[name][...] = value
         self.steps = int(state["steps"])
         self.syncs = int(state["syncs"])
+        self._pseudo.discard()
+        pending = state.get("pending")
+        self._delta = None if pending is None else {n: copy(x) for n, x in pending.items()}
         self._pseudo.load_state_dict(state["codec"])
         if self._states is not None and state.get("state_codec") is not None:
             self._states.load_state_dict(state["state_codec"])

@@ -176,6 +176,10 @@ class LoRDOSchedule:
         """Return the pseudo-gradient syncs made so far."""
         return self.schedule.syncs
 
+    def abandon(self) -> None:
+        """Forget a sync in flight whose communicator failed (none is: LoRDO's syncs complete in ``step``)."""
+        self.schedule.abandon()
+
     def due(self, step: int) -> bool:
         """Return whether step ``step`` (counting from 1) communicates.
 
@@ -190,6 +194,11 @@ class LoRDOSchedule:
     def bytes_per_sync(self) -> int:
         """Return the bytes one sync hands to MPI on this rank (pseudo-gradients plus averaged states)."""
         return self.schedule.bytes_per_sync
+
+    @property
+    def bytes_per_period(self) -> int:
+        """Return the bytes of one period of ``sync_every`` steps after the warm-up: one sync."""
+        return self.schedule.bytes_per_period
 
     @property
     def messages_per_sync(self) -> int:

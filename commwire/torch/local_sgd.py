@@ -41,7 +41,7 @@ from ..optim.lordo import (
     lowrank_step,
     refresh_basis,
 )
-from ..schedules import LocalSync, LocalSyncConfig, LoRDOSchedule
+from ..schedules import LocalSync, LocalSyncConfig, LoRDOSchedule, StreamingSync
 
 __all__ = ["DiLoCo", "LoRDO", "LowRankAdam", "state_nbytes"]
 
@@ -116,6 +116,7 @@ class _LocalOptimizer(torch.optim.Optimizer):
         """
         if self._given_comm is not None:
             return
+        self._sync.abandon()  # a sync in flight on the old communicator: its progress travels with the next
         kept = self.state_dict()
         self.comm = default_comm(None)
         with torch.no_grad():
@@ -192,8 +193,8 @@ class _LocalOptimizer(torch.optim.Optimizer):
 
     @property
     def bytes_per_step(self) -> float:
-        """Return bytes per step in the steady state: ``bytes_per_sync / sync_every``."""
-        return self._sync.bytes_per_sync / self.sync_every
+        """Return bytes per step in the steady state: the bytes of one period over ``sync_every``."""
+        return self._sync.bytes_per_period / self.sync_every
 
     def schedule_state_bytes(self) -> int:
         """Return the bytes of the reference weights and outer momentum."""
@@ -264,14 +265,26 @@ class DiLoCo(_LocalOptimizer):
             order) and that returns a ``torch.optim.Optimizer`` over them; or, as torchft does, an
             optimizer over exactly the tensors of ``params`` (at a sync DiLoCo loads θ_ref into
             them, steps, and keeps the result as the new θ_ref). Either way the tensors' ``.grad``
-            is the averaged pseudo-gradient during its ``step()``. Leave ``outer_lr``,
-            ``outer_momentum`` and ``nesterov`` at their defaults.
+            is the averaged pseudo-gradient during its ``step()`` (None for the tensors of other
+            fragments). Leave ``outer_lr``, ``outer_momentum`` and ``nesterov`` at their defaults.
+        fragments: Streaming DiLoCo (torchft's ``model_fragments``): P, the number of fragments
+            (consecutive parameters of about equal size), or lists of parameter names (e.g. a
+            strided split by layer). Each fragment syncs once per ``sync_every`` steps, fragment i
+            after steps (i + 1)·sync_every/P + k·sync_every: a sync carries 1/P of the model.
+            ``sync_every`` must be a multiple of P.
+        fragment_sync_delay: τ, the steps a fragment's sync stays in flight on the background
+            lane while training goes on (0 <= τ < sync_every/P); its pseudo-gradient is taken τ
+            steps before it lands.
+        fragment_update_alpha: α, the share of the local weights kept when a fragment lands:
+            θ = (1 − α)·θ_ref + α·θ (0: restart from the synced weights; the paper uses 0.5 with τ > 0).
 
     Example:
         >>> opt = DiLoCo(model.named_parameters(), lr=2e-3, sync_every=32)
         >>> opt = DiLoCo(model.named_parameters(), sync_every=32,
         ...              inner_optimizer=torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True),
         ...              outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
+        >>> opt = DiLoCo(model.named_parameters(), lr=2e-3, sync_every=32, codec="ef+nvfp4",
+        ...              fragments=4, fragment_sync_delay=2, fragment_update_alpha=0.5)   # Streaming DiLoCo
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.95),
@@ -280,8 +293,18 @@ class DiLoCo(_LocalOptimizer):
                  codec: Any = None, comm: Communicator | None = None, check: bool = True,
                  inner_optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
                  outer_optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
-                 ) -> None:
+                 fragments: int | Iterable[Iterable[str]] = 1, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0) -> None:
         _check_adam(lr, betas, eps, weight_decay)
+        self._streaming = None
+        if not (isinstance(fragments, int) and fragments == 1) or fragment_sync_delay or fragment_update_alpha:
+            if average_moments:
+                raise ValueError("average_moments=True is not supported with fragments, fragment_sync_delay or "
+                                 "fragment_update_alpha (Streaming DiLoCo syncs no optimizer state); drop one")
+            given = fragments if isinstance(fragments, (int, str)) or not isinstance(fragments, Iterable) else \
+                list(fragments)
+            self._streaming = {"fragments": given,
+                               "delay": fragment_sync_delay, "alpha": fragment_update_alpha}
         _refuse_overrides("inner_optimizer", inner_optimizer, {
             "lr": (lr, 1e-3), "betas": (tuple(betas), (0.9, 0.95)), "eps": (eps, 1e-8),
             "weight_decay": (weight_decay, 0.0), "average_moments": (average_moments, False)})
@@ -314,6 +337,19 @@ class DiLoCo(_LocalOptimizer):
                 self.outer_optimizer = _optimizer_over("outer_optimizer", outer_optimizer, refs, refs,
                                                        "the reference copies it was called with")
 
+    def _schedule(self, named: list[tuple[str, torch.Tensor]], schedule: LocalSyncConfig,
+                  check: bool) -> LocalSync | StreamingSync:
+        if self._streaming is None:
+            return super()._schedule(named, schedule, check)
+        return StreamingSync(named, schedule, comm=self.comm, check=check, **self._streaming)
+
+    @property
+    def fragments(self) -> list[list[str]]:
+        """Return the parameter names of each fragment (one fragment without Streaming DiLoCo)."""
+        if isinstance(self._sync, StreamingSync):
+            return [list(names) for names in self._sync.fragments]
+        return [[n for n, _ in self._named]]
+
     def _init_state(self) -> None:
         if self._custom_inner:
             return  # the inner optimizer keeps its own state
@@ -338,25 +374,40 @@ class DiLoCo(_LocalOptimizer):
     def _synchronise(self) -> None:
         if self.outer_optimizer is None:
             super()._synchronise()
-            return
-        delta = self._sync.average(dict(self._state_tensors()))
-        reference = self._sync.reference
-        # The outer optimizer steps its own tensors (the model's or the reference copies) with the
-        # averaged pseudo-gradient as their gradient; every rank then restarts from the result.
-        targets = [(p if self._outer_on_model else reference[n], n, p) for n, p in self._named]
-        saved = []
-        for target, name, p in targets:
+        elif isinstance(self._sync, StreamingSync):
+            self._sync.sync(outer=self._outer_step)
+        else:
+            self._outer_step(self._sync, self._sync.average(dict(self._state_tensors())))
+            self._sync.restart()
+
+    def _outer_step(self, part: LocalSync, delta: Mapping[str, torch.Tensor]) -> None:
+        """Step the given outer optimizer on the averaged pseudo-gradient ``delta``; update ``part.reference``.
+
+        The optimizer steps its own tensors (the model's or the reference copies) with ``delta``
+        as their gradient, and every other tensor of it (other fragments') without one; the
+        schedule then restarts the weights from the new reference.
+        """
+        reference, params = part.reference, dict(self._named)
+        targets = [(params[n] if self._outer_on_model else reference[n], n) for n in delta]
+        mine = {id(t) for t, _ in targets}
+        others = [p for g in self.outer_optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        local = [params[n].clone() for _, n in targets] if self._outer_on_model else []
+        saved = [t.grad for t, _ in targets] + [p.grad for p in others]
+        for target, name in targets:
             if self._outer_on_model:
-                p.copy_(reference[name])
-            saved.append(target.grad)
+                target.copy_(reference[name])
             target.grad = delta[name]
+        for p in others:
+            p.grad = None
         try:
             self.outer_optimizer.step()
         finally:
-            for (target, _, _), grad in zip(targets, saved):
-                target.grad = grad  # the fused buffer behind delta is reused at the next sync
-        for target, name, p in targets:
-            (reference[name] if self._outer_on_model else p).copy_(target)
+            for t, grad in zip([t for t, _ in targets] + others, saved):
+                t.grad = grad  # the fused buffer behind delta is reused at the next sync
+        if self._outer_on_model:
+            for (target, name), weights in zip(targets, local):
+                reference[name].copy_(target)
+                target.copy_(weights)  # the local weights, for the schedule's restart (and mixing)
 
     def schedule_state_bytes(self) -> int:
         """Return the bytes of the reference weights and outer momentum, and of a given inner/outer optimizer."""

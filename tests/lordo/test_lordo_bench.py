@@ -66,10 +66,11 @@ def test_report_merges_sweeps_that_extend_the_grid_and_refuses_mixed_setups(tmp_
 
 
 def test_bench_runs_one_tiny_sweep_in_process(capsys):
-    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup,lordo-k1,lordo-ddp", "--lrs", "4e-3", "--seeds", "1",
-                "--steps", "16"])
+    bench.main(["--quick", "--arms", "ddp,lordo,lordo-warmup,lordo-k1,lordo-ddp,streaming-diloco-nvfp4", "--lrs",
+                "4e-3", "--seeds", "1", "--steps", "16"])
     out = capsys.readouterr().out
     assert "| LoRDO |" in out and "| DDP-Adam |" in out and "Acceptance" in out
+    assert "| Streaming DiLoCo P=4 τ=1 α=0.5, NVFP4 Δ |" in out
     assert "| LoRDO K=1 (diagnostic) |" in out
     assert "| LoRDO optimizer on DDP gradients (diagnostic) |" in out
 
