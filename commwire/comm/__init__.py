@@ -2,7 +2,7 @@
 
 from .check import CollectiveMismatchError
 from .communicator import REDUCE_OPS, Communicator
-from .handle import Handle
+from .handle import Handle, blocked_seconds
 from .runtime import (
     cuda_aware,
     default_comm,
@@ -19,12 +19,16 @@ from .runtime import (
     thread_level,
     world,
 )
+from .stragglers import StragglerMonitor, StragglerReport
 
 __all__ = [
     "CollectiveMismatchError",
     "Communicator",
     "Handle",
     "REDUCE_OPS",
+    "StragglerMonitor",
+    "StragglerReport",
+    "blocked_seconds",
     "cuda_aware",
     "default_comm",
     "finalize",

@@ -42,7 +42,8 @@ from .check import exchange
 from .buffers import (Reduction, as_bytes, check_out, cpu_tensor_view, describe, device_of, dtype_of_name, empty,
                       landing, nbytes_of, op_label, plain_out, ready_bytes, row_counts, same_view, send_buffer,
                       splits_of, tensor_of, wire_of)
-from .handle import Done, Handle, Pending, drive
+from .handle import Blocked, Done, Handle, Pending, drive
+from .handle import account as blocked_account
 from .protocol import FUSED_BYTES, JOINABLE, Agreed, AgreementProtocol, Signature
 from .reduce import REDUCE_OPS, flag_values, normalize_op
 from .stats import Counters
@@ -197,15 +198,22 @@ class Communicator(AgreementProtocol):
     # ---------------------------------------------------------------- helpers
     def _move(self, opname: str, name: str | None, move: Callable[..., Any], *args: Any) -> Any:
         """Run one data movement of the transport, registered with the stall watchdog; return its result."""
-        watchdog = self.watchdog
-        if watchdog is None:
-            return move(*args)
-        self._seq += 1
-        token = watchdog.enter(self.uid, self._seq, opname, name)
+        watchdog, acc = self.watchdog, blocked_account.slot
+        acc.depth += 1  # counted as blocked time (Blocked, inline: this is the small all-reduce's path)
+        start = _perf() if acc.depth == 1 else None
         try:
-            return move(*args)
+            if watchdog is None:
+                return move(*args)
+            self._seq += 1
+            token = watchdog.enter(self.uid, self._seq, opname, name)
+            try:
+                return move(*args)
+            finally:
+                watchdog.leave(token)
         finally:
-            watchdog.leave(token)
+            acc.depth -= 1
+            if start is not None:
+                acc.total += _perf() - start
 
     def _record(self, opname: str, name: str | None, nbytes: int, start: float) -> None:
         end = _perf()
@@ -880,22 +888,27 @@ def live_communicators(counters: Counters) -> list[Communicator]:
 
 
 class _Watched:
-    """Register a blocking wait of ``comm`` with its watchdog (no-op without one)."""
+    """Register a blocking wait of ``comm`` with its watchdog (if any) and count it as blocked time."""
 
-    __slots__ = ("comm", "opname", "name", "token")
+    __slots__ = ("comm", "opname", "name", "token", "blocked")
 
     def __init__(self, comm: Communicator, opname: str, name: str | None) -> None:
         self.comm, self.opname, self.name, self.token = comm, opname, name, None
+        self.blocked = Blocked()
 
     def __enter__(self) -> None:
+        self.blocked.__enter__()
         wd = self.comm.watchdog
         if wd is not None:
             self.comm._seq += 1
             self.token = wd.enter(self.comm.uid, self.comm._seq, self.opname, self.name)
 
     def __exit__(self, *exc: Any) -> None:
-        if self.token is not None:
-            self.comm.watchdog.leave(self.token)
+        try:
+            if self.token is not None:
+                self.comm.watchdog.leave(self.token)
+        finally:
+            self.blocked.__exit__()
 
 
 def _in_order(comm: Communicator, order: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

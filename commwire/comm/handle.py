@@ -7,10 +7,56 @@ import time
 from collections.abc import Generator
 from typing import Any, Callable
 
-__all__ = ["Handle", "Done", "Pending", "in_lane", "wait_requests", "wait_yielding", "drive", "COLLECTIVE_NAP",
-           "testall", "waitall"]
+__all__ = ["Handle", "Done", "Pending", "Blocked", "blocked_seconds", "in_lane", "wait_requests", "wait_yielding",
+           "drive", "COLLECTIVE_NAP", "testall", "waitall"]
 
 _local = threading.local()
+
+
+class _Slot:
+    """How deep in commwire's waits a thread is, and the seconds its outermost waits took."""
+
+    __slots__ = ("depth", "total")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.total = 0.0
+
+
+class _Account(threading.local):
+    def __init__(self) -> None:
+        self.slot = _Slot()  # one thread-local lookup per wait, then plain attributes
+
+
+account = _Account()
+"""``account.slot`` is the calling thread's :class:`_Slot` (``Communicator._move`` updates it
+inline: the fast path of a small all-reduce takes a few microseconds)."""
+
+
+class Blocked:
+    """Count the time the calling thread spends blocked in commwire (a collective, a handle's wait).
+
+    Nested blocks (the agreement exchange inside a collective, a wait inside a
+    stepped collective) count once: only the outermost adds its duration.
+    """
+
+    __slots__ = ("start",)
+
+    def __enter__(self) -> None:
+        acc = account.slot
+        acc.depth += 1
+        self.start = time.perf_counter() if acc.depth == 1 else None
+
+    def __exit__(self, *exc: Any) -> None:
+        acc = account.slot
+        acc.depth -= 1
+        if self.start is not None:
+            acc.total += time.perf_counter() - self.start
+
+
+def blocked_seconds() -> float:
+    """Return the seconds the calling thread has spent blocked in commwire's collectives and waits so far."""
+    return account.slot.total
 
 
 def in_lane() -> bool:
@@ -163,15 +209,16 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation completes and return its result."""
         if not self._done:
-            if self.watch is None:
-                wait_requests(self._requests)
-            else:
-                watchdog, comm_id, seq, op = self.watch
-                token = watchdog.enter(comm_id, seq, op, self.name)
-                try:
+            with Blocked():
+                if self.watch is None:
                     wait_requests(self._requests)
-                finally:
-                    watchdog.leave(token)
+                else:
+                    watchdog, comm_id, seq, op = self.watch
+                    token = watchdog.enter(comm_id, seq, op, self.name)
+                    try:
+                        wait_requests(self._requests)
+                    finally:
+                        watchdog.leave(token)
             self._complete()
         return self._result
 
@@ -218,5 +265,6 @@ class Pending(Handle):
     def wait(self) -> Any:
         """Wait for the work (re-raising its exception) and return the result."""
         if not self._done:
-            self._complete()
+            with Blocked():
+                self._complete()
         return self._result

@@ -20,7 +20,7 @@ from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
-from .handle import Handle, Pending, _mark_lane_thread
+from .handle import Blocked, Handle, Pending, _mark_lane_thread
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -56,7 +56,8 @@ class _Stepped(Handle):
 
     def wait(self) -> Any:
         if not self._done:
-            self.lane.finish(self)
+            with Blocked():
+                self.lane.finish(self)
         if self._error is not None:
             raise self._error
         return self._result
@@ -217,7 +218,8 @@ def lane_for(comm: Communicator) -> Lane:
     with _lock:
         lane = _lanes.get(id(comm))
         if lane is None or lane.parent is not comm:  # an id can be reused once a communicator is gone
-            lane = _lanes[id(comm)] = Lane(comm)
+            with Blocked():  # the duplicate is collective: a wait for the other ranks
+                lane = _lanes[id(comm)] = Lane(comm)
         return lane
 
 
