@@ -319,11 +319,13 @@ def _check_command_words(ctx: click.Context, command: tuple[str, ...]) -> None:
                        "the options; launcher flags go in --mpi-args '...')")
 
 
-def _spawn(argv: list[str], env: dict[str, str], watch: Callable[[], int | None] | None = None) -> int:
+def _spawn(argv: list[str], env: dict[str, str], watch: Callable[[], int | None] | None = None,
+           received: list[int] | None = None) -> int:
     """Run the launcher and return its exit status.
 
     ``watch()`` is called every 0.1 s while the launcher runs, until its ``done``
     attribute is true; a status it returns ends the job with that status.
+    ``received`` collects the signals (SIGINT, SIGTERM) this process forwarded to the job.
     """
     # A job started from inside another job's rank (the demo drives a lab job from rank 0) must
     # not hand the outer launcher's connection to the inner one: Hydra's proxies would write
@@ -335,6 +337,8 @@ def _spawn(argv: list[str], env: dict[str, str], watch: Callable[[], int | None]
     proc = subprocess.Popen(argv, env={**base, **env}, start_new_session=True)
 
     def forward(signum: int, _frame: object) -> None:
+        if received is not None:
+            received.append(signum)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -396,9 +400,14 @@ def _run_and_report(argv: list[str], env: dict[str, str], np_: int, *, start_tim
 
     run_dir = tempfile.mkdtemp(prefix="commwire-run-")
     watch = _StartWatch(run_dir, np_, start_timeout) if start_timeout else None
+    received: list[int] = []
     try:
-        status = _spawn(argv, {**env, "COMMWIRE_RUN_DIR": run_dir}, watch)
-        if status != 0 and not (watch and watch.timed_out):
+        status = _spawn(argv, {**env, "COMMWIRE_RUN_DIR": run_dir}, watch, received)
+        if received:  # the job was stopped from outside: no rank is to blame
+            name = signal.Signals(received[0]).name
+            click.echo(f"commwire run: stopped by {name}, sent to every rank (launcher exit status {status})",
+                       err=True)
+        elif status != 0 and not (watch and watch.timed_out):
             time.sleep(0.2)  # let the ranks' guardians record the last deaths
             click.echo(f"commwire run: the job failed (launcher exit status {status})", err=True)
             for line in summary(run_dir, np_) if summarize else []:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -349,6 +350,27 @@ def test_start_timeout_fails_in_one_line_and_leaves_nothing_running(tmp_path):
     assert proc.returncode != 0
     assert re.fullmatch(r"commwire run: [12] of 2 ranks had not started after 3 s \(ranks (0, )?1\); raise "
                         r"--start-timeout, or find what holds them up \(.*\)\n", proc.stderr), proc.stderr
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_job_stopped_from_outside_says_so_and_leaves_nothing_running(signum):
+    token = f"cw-stopped-{os.getpid()}-{int(signum)}"
+    program = f"import commwire as cw, time; cw.init(); print('up', flush=True); time.sleep(120)  # {token}"
+    proc = subprocess.Popen([sys.executable, "-m", "commwire", "run", "-np", "2", sys.executable, "-c", program],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "up" not in (proc.stdout.readline() or ""):
+        pass
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert f"commwire run: stopped by {signum.name}, sent to every rank" in err, err
+    # no per-rank blame from commwire run (the ranks' own output may show the KeyboardInterrupt)
+    assert "the job failed" not in err and not any(line.startswith("  rank ") for line in err.splitlines()), err
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
