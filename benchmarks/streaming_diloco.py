@@ -17,7 +17,9 @@ largest message. One untimed period first (lane threads, allocations). The
 training effect of the same settings (validation loss, 3 seeds, one LR grid) is
 ``benchmarks/lordo.py --arms diloco,streaming-diloco``.
 
-Run: ``commwire run --lab -np 4 python benchmarks/streaming_diloco.py`` (``--quick``: a smoke run).
+Run: ``commwire lab up --hosts 2``, then ``commwire run --lab -np 2 python benchmarks/streaming_diloco.py``
+(one core per rank: with more ranks than cores a rank waiting on the network hands its core to
+another, and a blocking sync is hidden anyway); ``--quick``: a smoke run.
 """
 
 from __future__ import annotations

@@ -538,7 +538,7 @@ class Communicator(AgreementProtocol):
     def _adasum(self, work: np.ndarray) -> np.ndarray:
         from .adasum import adasum_allreduce
 
-        with self.watched("allreduce adasum"):
+        with self.watched("allreduce adasum"), Blocked():
             return adasum_allreduce(self.mpi, np.ascontiguousarray(work))
 
     # ------------------------------------------------------------- allgather
@@ -767,7 +767,7 @@ class Communicator(AgreementProtocol):
             error = exc
 
         def move(value: Any, at: int) -> Any:
-            with self.watched("broadcast_object", name):
+            with self.watched("broadcast_object", name), Blocked():
                 return self.mpi.bcast(value, root=at)
 
         sig = Signature("broadcast_object", name, root=root)
@@ -781,7 +781,7 @@ class Communicator(AgreementProtocol):
         start = _perf()
 
         def move(value: Any) -> list[Any]:
-            with self.watched("allgather_object", name):
+            with self.watched("allgather_object", name), Blocked():
                 return self.mpi.allgather(value)
 
         # Nothing to validate, but agreeing on the operation keeps a rank that calls another
@@ -888,27 +888,26 @@ def live_communicators(counters: Counters) -> list[Communicator]:
 
 
 class _Watched:
-    """Register a blocking wait of ``comm`` with its watchdog (if any) and count it as blocked time."""
+    """Register a blocking wait of ``comm`` with its watchdog (no-op without one).
 
-    __slots__ = ("comm", "opname", "name", "token", "blocked")
+    It may span a collective's steps (the caller computes between them), so the
+    time it spans is not counted as blocked: the waits inside are (``Blocked``).
+    """
+
+    __slots__ = ("comm", "opname", "name", "token")
 
     def __init__(self, comm: Communicator, opname: str, name: str | None) -> None:
         self.comm, self.opname, self.name, self.token = comm, opname, name, None
-        self.blocked = Blocked()
 
     def __enter__(self) -> None:
-        self.blocked.__enter__()
         wd = self.comm.watchdog
         if wd is not None:
             self.comm._seq += 1
             self.token = wd.enter(self.comm.uid, self.comm._seq, self.opname, self.name)
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            if self.token is not None:
-                self.comm.watchdog.leave(self.token)
-        finally:
-            self.blocked.__exit__()
+        if self.token is not None:
+            self.comm.watchdog.leave(self.token)
 
 
 def _in_order(comm: Communicator, order: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -36,8 +36,11 @@ inline: the fast path of a small all-reduce takes a few microseconds)."""
 class Blocked:
     """Count the time the calling thread spends blocked in commwire (a collective, a handle's wait).
 
-    Nested blocks (the agreement exchange inside a collective, a wait inside a
-    stepped collective) count once: only the outermost adds its duration.
+    Used around the calls that block (MPI waits, a blocking transport call, a
+    future's result), entered and left in the same frame of the same thread:
+    never around a collective's steps, which yield to the caller's computation.
+    Nested blocks count once: only the outermost adds its duration.
+    ``Communicator._move`` does the same inline (the small all-reduce's path).
     """
 
     __slots__ = ("start",)
@@ -111,7 +114,8 @@ def waitall(requests: list[Any]) -> None:
 
     statuses = [MPI.Status() for _ in requests]
     try:
-        MPI.Request.Waitall(requests, statuses)
+        with Blocked():
+            MPI.Request.Waitall(requests, statuses)
     except MPI.Exception as exc:
         raise _in_status(exc, statuses) from exc
 
@@ -154,12 +158,13 @@ def wait_yielding(requests: list[Any], spin: float = 0.0, nap: float = _NAP) -> 
     from mpi4py import MPI
 
     spins, start, statuses = 0, time.perf_counter(), [MPI.Status() for _ in requests]
-    while not testall(requests, statuses):
-        waited = time.perf_counter() - start
-        if waited < spin:
-            continue
-        spins += 1
-        time.sleep(0 if spins < _YIELDS else min(nap, waited / 8))
+    with Blocked():
+        while not testall(requests, statuses):
+            waited = time.perf_counter() - start
+            if waited < spin:
+                continue
+            spins += 1
+            time.sleep(0 if spins < _YIELDS else min(nap, waited / 8))
 
 
 def drive(steps: Generator[list[Any], None, Any], wait: Callable[[list[Any]], None]) -> Any:

@@ -51,7 +51,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from .check import Round, exchange, exchange_steps, resync
-from .handle import wait_requests
+from .handle import Blocked, wait_requests
 
 __all__ = ["Signature", "Agreed", "AgreementProtocol", "JOINABLE", "FUSED_BYTES", "VERIFIED_KEYS"]
 
@@ -232,7 +232,7 @@ class AgreementProtocol:
         if self.check is not True:
             raise RuntimeError("resync() needs a communicator that agrees on every collective: create it with "
                                "check=True (commwire.torch's process sets are)")
-        with self.watched("resync"):
+        with self.watched("resync"), Blocked():
             resync(self.mpi)
 
 

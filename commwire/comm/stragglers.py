@@ -6,14 +6,15 @@ job, and its own step time looks like everyone else's. What differs is where
 the time goes. commwire counts, per thread, the seconds spent blocked in its
 collectives and handle waits (``commwire.comm.handle.blocked_seconds``); the
 rest of a step is the rank's own work. The ranks that wait for a straggler
-block longer; the straggler itself hardly blocks at all.
+block longer; the straggler itself blocks least.
 
 :class:`StragglerMonitor` turns that into scores, in the shape NVIDIA's
 resiliency extension reports them: every ``every`` steps one small all-gather
 (three numbers per rank) gives each rank's own-work seconds per step; a rank's
 **relative score** is the fastest rank's own-work time over its own (1.0 for the
-fastest), its **individual score** its own-work time in its first window over
-the current one (below 1.0: it became slower). Ranks whose relative score is
+fastest), its **individual score** its own-work time in its best window so far
+over the current one (below 1.0: it became slower; a slow first window, warming
+up, does not count against later ones). Ranks whose relative score is
 below ``threshold`` are reported as stragglers, on every rank alike.
 
 Only the thread that calls :meth:`StragglerMonitor.step` is measured, and only
@@ -79,7 +80,7 @@ class StragglerReport:
     relative: tuple[float, ...]
     """Per rank: the fastest rank's own-work time per step over this rank's (1.0 = the fastest)."""
     individual: tuple[float, ...]
-    """Per rank: its own-work time per step in its first window over this window's (< 1: slower now)."""
+    """Per rank: its own-work time per step in its best window so far over this window's (< 1: slower now)."""
     threshold: float
 
     @property
@@ -126,7 +127,7 @@ class StragglerMonitor:
         self.last: StragglerReport | None = None
         """The latest report (None before the first window ends)."""
         self.windows = 0
-        self._first: np.ndarray | None = None
+        self._best: np.ndarray | None = None
         self.restart()
 
     def restart(self) -> None:
@@ -153,9 +154,8 @@ class StragglerMonitor:
         work = np.array([t.work_s / max(1, t.steps) for t in timings])
         floor = 1e-9  # a rank with no own work at all (a test's empty loop) scores as the fastest
         relative = tuple(float(x) for x in np.maximum(work.min(), floor) / np.maximum(work, floor))
-        if self._first is None:
-            self._first = work
-        individual = tuple(float(x) for x in np.maximum(self._first, floor) / np.maximum(work, floor))
+        self._best = work if self._best is None else np.minimum(self._best, work)
+        individual = tuple(float(x) for x in np.maximum(self._best, floor) / np.maximum(work, floor))
         self.last = StragglerReport(window=self.windows, timings=timings, relative=relative,
                                     individual=individual, threshold=self.threshold)
         self.windows += 1

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .handle import in_lane
+from .handle import Blocked, in_lane
 from .transport import Transport, spans_nodes
 
 __all__ = ["TorchTransport", "init_torch_distributed", "default_backend", "free_port", "rendezvous_address",
@@ -431,16 +431,17 @@ class TorchTransport(Transport):
         # the data: a lane blocks in it. Polling there cost ~10% of a 4-rank training step on 2 cores
         # (its wake-ups took the CPU from gloo's threads). NCCL works are polled on a lane, as MPI's
         # requests are (see handle.wait_requests), and waited for below.
-        if self._poll and in_lane():
-            spins, start = 0, time.perf_counter()
-            while not all(r.work.is_completed() for r in requests if r.pollable):
-                spins += 1
-                time.sleep(0 if spins < _YIELDS else min(_NAP, (time.perf_counter() - start) / 8))
-        for r in requests:
-            r.work.wait()  # raises the backend's error; orders the current CUDA stream after NCCL's
-            if r.after is not None:
-                r.after()
-                r.after = None
+        with Blocked():
+            if self._poll and in_lane():
+                spins, start = 0, time.perf_counter()
+                while not all(r.work.is_completed() for r in requests if r.pollable):
+                    spins += 1
+                    time.sleep(0 if spins < _YIELDS else min(_NAP, (time.perf_counter() - start) / 8))
+            for r in requests:
+                r.work.wait()  # raises the backend's error; orders the current CUDA stream after NCCL's
+                if r.after is not None:
+                    r.after()
+                    r.after = None
 
     def progress(self, request: Any) -> None:
         # Between a pipeline's codec kernels: gloo's works move in gloo's threads, but the

@@ -168,6 +168,11 @@ class LocalSync(Ticker):
             self._pseudo.mark(name)
 
     @property
+    def codec(self) -> Any:
+        """Return the codec object of the pseudo-gradients (None uncompressed)."""
+        return self._pseudo.codec
+
+    @property
     def in_flight(self) -> bool:
         """Return whether a sync was begun and not yet finished."""
         return self._delta is not None or self._pseudo.in_flight() > 0
@@ -317,6 +322,7 @@ class LocalSync(Ticker):
                 mine[name][...] = value
         self.steps = int(state["steps"])
         self.syncs = int(state["syncs"])
+        self.collect()  # a sync in flight here finishes first: the lane may still use the codec's state
         self._pseudo.discard()
         pending = state.get("pending")
         self._delta = None if pending is None else {n: copy(x) for n, x in pending.items()}

@@ -66,8 +66,8 @@ def split_fragments(named: Sequence[tuple[str, Any]], fragments: int | Sequence[
         cuts.append(len(names))
         return [names[a:b] for a, b in zip(cuts, cuts[1:])]
     if isinstance(fragments, (str, bytes)) or not isinstance(fragments, Sequence):
-        raise TypeError(f"fragments must be a number or a list of lists of parameter names, "
-                        f"got {type(fragments).__name__}")
+        raise TypeError(f"fragments must be an int (how many) or a list of lists of parameter names, "
+                        f"got {type(fragments).__name__} {fragments!r}")
     for i, g in enumerate(fragments):
         if isinstance(g, (str, bytes)) or not isinstance(g, Iterable):
             raise TypeError(f"fragments[{i}] is {type(g).__name__} {g!r}, not a list of parameter names; "
@@ -124,11 +124,12 @@ class StreamingSync(Ticker):
                              f"syncs once per sync_every steps, so use e.g. sync_every={count * max(1, period // count)}")
         self.stride = period // count
         if isinstance(delay, bool) or not isinstance(delay, (int, np.integer)) or not 0 <= delay < self.stride:
-            raise ValueError(f"delay={delay!r} must be an int with 0 <= delay < sync_every / fragments = {self.stride} "
-                             "(a fragment's sync must land before the next one begins)")
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha={alpha} must lie in [0, 1] (0 restarts from the synced weights, "
-                             "1 keeps the local ones)")
+            raise ValueError(f"fragment_sync_delay (τ) = {delay!r} must be an int with 0 <= τ < sync_every / "
+                             f"fragments = {self.stride} (a fragment's sync must land before the next one begins)")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating, np.integer)) or \
+                not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha (α) = {alpha!r} must be a number in [0, 1] (0 restarts from "
+                             "the synced weights, 1 keeps the local ones; the paper uses 0.5)")
         self.delay, self.alpha = int(delay), float(alpha)
         if check:
             check_identical(self.params, comm)
@@ -230,16 +231,30 @@ class StreamingSync(Ticker):
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return the step count and every fragment's state (a sync in flight is waited for and saved)."""
-        return {"steps": self.steps, "fragments": [list(names) for names in self.fragments],
-                "parts": [part.state_dict() for part in self.parts]}
+        """Return the step count and every fragment's state (a sync in flight is waited for and saved).
+
+        The fragments share their codec (one per spec): its state is saved with the first only.
+        """
+        parts, seen = [], set()
+        for part in self.parts:
+            sub = part.state_dict()
+            if part.codec is not None and id(part.codec) in seen:
+                sub["codec"] = {**sub["codec"], "codec": None}
+            seen.add(id(part.codec))
+            parts.append(sub)
+        return {"steps": self.steps, "delay": self.delay, "fragments": [list(names) for names in self.fragments],
+                "parts": parts}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same fragments)."""
+        """Restore what :meth:`state_dict` returned (same fragments and delay)."""
         saved = [list(names) for names in state.get("fragments", [])]
         if saved != [list(names) for names in self.fragments]:
             raise ValueError(f"checkpoint fragments differ from this schedule's ({len(saved)} saved, "
                              f"{len(self.fragments)} here); build it with the same fragments to resume")
+        if int(state.get("delay", self.delay)) != self.delay:
+            raise ValueError(f"checkpoint was saved with fragment_sync_delay={state['delay']}, this schedule has "
+                             f"{self.delay} (a saved sync in flight lands by the saved one); build it with "
+                             f"fragment_sync_delay={state['delay']} to resume")
         for part, sub in zip(self.parts, state["parts"]):
             part.load_state_dict(sub)
         self.steps = int(state["steps"])

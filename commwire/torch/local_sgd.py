@@ -266,7 +266,9 @@ class DiLoCo(_LocalOptimizer):
             optimizer over exactly the tensors of ``params`` (at a sync DiLoCo loads θ_ref into
             them, steps, and keeps the result as the new θ_ref). Either way the tensors' ``.grad``
             is the averaged pseudo-gradient during its ``step()`` (None for the tensors of other
-            fragments). Leave ``outer_lr``, ``outer_momentum`` and ``nesterov`` at their defaults.
+            fragments: with P fragments it steps P times per ``sync_every`` steps, once per fragment,
+            which an outer LR scheduler should count). Leave ``outer_lr``, ``outer_momentum`` and
+            ``nesterov`` at their defaults.
         fragments: Streaming DiLoCo (torchft's ``model_fragments``): P, the number of fragments
             (consecutive parameters of about equal size), or lists of parameter names (e.g. a
             strided split by layer). Each fragment syncs once per ``sync_every`` steps, fragment i
@@ -320,6 +322,8 @@ class DiLoCo(_LocalOptimizer):
                                    nesterov=nesterov, codec=codec)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, schedule, comm, check)
+        if isinstance(self._sync, StreamingSync):  # a rebind builds the schedule again: from lists, not iterators
+            self._streaming["fragments"] = [list(names) for names in self._sync.fragments]
         tensors = [p for _, p in self._named]
         self.inner_optimizer: torch.optim.Optimizer | None = None
         if inner_optimizer is not None:
@@ -342,6 +346,13 @@ class DiLoCo(_LocalOptimizer):
         if self._streaming is None:
             return super()._schedule(named, schedule, check)
         return StreamingSync(named, schedule, comm=self.comm, check=check, **self._streaming)
+
+    def _rebind(self) -> None:
+        old = dict(self._sync.reference)
+        super()._rebind()
+        if self.outer_optimizer is not None and not self._outer_on_model:
+            # The factory-built outer optimizer steps the reference copies: point it at the new ones.
+            _repoint(self.outer_optimizer, {id(old[n]): t for n, t in self._sync.reference.items()})
 
     @property
     def fragments(self) -> list[list[str]]:
@@ -423,6 +434,11 @@ class DiLoCo(_LocalOptimizer):
         return extra
 
     def _check_extra_state(self, extra: Mapping[str, Any]) -> None:
+        saved, here = "fragments" in extra["schedule"], isinstance(self._sync, StreamingSync)
+        if saved != here:
+            raise ValueError(f"checkpoint was saved by DiLoCo {'with' if saved else 'without'} fragments "
+                             f"(Streaming DiLoCo), this one is {'with' if here else 'without'}; build it as the "
+                             "checkpoint's was (fragments, fragment_sync_delay, fragment_update_alpha) to resume")
         for key in ("inner_optimizer", "outer_optimizer"):
             if (getattr(self, key) is None) != (key not in extra):
                 raise ValueError(f"checkpoint and optimizer disagree on {key} (one has it, the other not); "
@@ -434,6 +450,15 @@ class DiLoCo(_LocalOptimizer):
             if opt is not None:
                 opt.load_state_dict(extra[key])
         super()._load_extra_state(extra)
+
+
+def _repoint(optimizer: torch.optim.Optimizer, swap: Mapping[int, torch.Tensor]) -> None:
+    """Make ``optimizer`` step ``swap[id(t)]`` instead of each of its tensors ``t`` listed, state included."""
+    for group in optimizer.param_groups:
+        group["params"] = [swap.get(id(p), p) for p in group["params"]]
+    moved = {swap.get(id(p), p): state for p, state in optimizer.state.items()}
+    optimizer.state.clear()
+    optimizer.state.update(moved)
 
 
 def _refuse_overrides(arg: str, given: Any, settings: dict[str, tuple[Any, Any]]) -> None:

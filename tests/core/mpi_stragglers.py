@@ -64,6 +64,50 @@ def test_waiting_for_a_handle_counts_once(how):
     assert_waited(blocked_seconds() - before)
 
 
+def late_allreduce(name: str) -> float:
+    """Return the blocked seconds of one all-reduce that the last rank joins 0.3 s late."""
+    COMM.barrier()
+    before = blocked_seconds()
+    if R == LAST:
+        time.sleep(0.3)
+    cw.allreduce(np.ones(8), name=name)
+    return blocked_seconds() - before
+
+
+@pytest.mark.parametrize("drained", [False, True])
+def test_a_stepped_bucket_counts_the_wait_not_the_computation_beside_it(drained):
+    # DistributedOptimizer's buckets (overlap=True) move in steps on this thread while backward runs;
+    # only the final wait may count. drained: work queued behind it makes the lane's thread finish it.
+    from commwire.fusion import FusionBuffer
+
+    x = np.ones(1 << 16, np.float32)
+    fb = FusionBuffer([("g", x)], comm=COMM, op="sum", overlap=True)
+    COMM.barrier()
+    before = blocked_seconds()
+    fb.add("g", x)
+    after = COMM.submit(lambda c, y: c.allreduce(y, name="behind"), np.ones(4), label="behind") if drained else None
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.3:  # "backward", moving the collective on between layers
+        COMM.progress()
+        time.sleep(0.01)
+    np.testing.assert_array_equal(fb.wait()["g"], P)
+    if after is not None:
+        np.testing.assert_array_equal(after.wait(), P)
+    assert blocked_seconds() - before < 0.1
+    assert_waited(late_allreduce(f"after.stepped.{drained}"))  # the account is whole again
+
+
+def test_a_lanes_wait_is_not_the_calling_threads():
+    COMM.barrier()
+    before = blocked_seconds()
+    if R == LAST:
+        time.sleep(0.3)
+    handle = COMM.submit(lambda c, y: c.allreduce(y, name="lane.only"), np.ones(4), label="lane.only")
+    time.sleep(0.5)  # this thread computes while the lane waits for the last rank
+    np.testing.assert_array_equal(handle.wait(), P)
+    assert blocked_seconds() - before < 0.1
+
+
 def test_the_monitor_names_the_slow_rank_on_every_rank():
     mon = cw.StragglerMonitor(every=5)
     for _ in range(4):

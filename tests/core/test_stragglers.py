@@ -84,3 +84,27 @@ def test_the_lab_study_reports_its_windows():
     assert "| slow | 0 | 5 | 5 | 0 | 0.52 | 1.00 | 80.0 |" in table
     assert "slow: slow rank named alone in 5/5; another rank named in 0/5 windows" in table
     bench.main(["--quick", "--slow-rank", "0"])  # one process: a smoke run of the training loop
+
+
+class _Rows:
+    """A stand-in communicator whose all-gather returns the rows given (the ranks' windows)."""
+
+    def __init__(self, *windows):
+        self.windows = list(windows)
+
+    def allgather(self, mine, name=None):
+        return np.array(self.windows.pop(0), dtype=np.float64)
+
+
+def test_report_scores_are_the_arithmetic_of_the_exchanged_timings():
+    # per rank: steps, wall seconds, blocked seconds; own work per step = (wall - blocked) / steps
+    comm = _Rows([[10, 1.0, 0.6], [10, 1.0, 0.55], [10, 1.0, 0.0]],   # 40, 45, 100 ms
+                 [[10, 1.0, 0.2], [10, 1.0, 0.55], [10, 1.0, 0.0]])   # 80, 45, 100 ms
+    mon = cw.StragglerMonitor(every=10, threshold=0.8, comm=comm)
+    first = mon.report()
+    assert first.relative == pytest.approx((1.0, 40 / 45, 0.4)) and first.stragglers == [2]
+    assert first.individual == pytest.approx((1.0, 1.0, 1.0)) and first.window == 0
+    second = mon.report()
+    assert second.relative == pytest.approx((45 / 80, 1.0, 0.45)) and second.stragglers == [2, 0]  # slowest first
+    assert second.individual == pytest.approx((0.5, 1.0, 1.0)) and mon.windows == 2 and mon.last is second
+    assert [t.work_ms_per_step for t in second.timings] == pytest.approx([80.0, 45.0, 100.0])

@@ -1,10 +1,11 @@
 """Streaming DiLoCo (``DiLoCo(fragments=, fragment_sync_delay=, fragment_update_alpha=)``) — tier 1 (one process).
 
-References: torchft's mocked regression fixtures (``diloco_regression_test.py``: sync_every 6, two
-fragments, inner SGD lr 1, outer SGD lr 2, gradient 2, weight 1: fragment 0 lands after steps
-3, 9, 15 and fragment 1 after 6, 12; weights −7 (τ = 1, α = 0), −6 (τ = 1, α = 0.5), −11 (τ = 0)
-after step 3), worked again by hand below; plain DiLoCo for one fragment; a hand-written loop.
-The 2-rank checks (the average over ranks, a checkpoint with a sync in flight, the bytes) are in
+References: the setting of torchft's mocked regression test (``diloco_regression_test.py``:
+sync_every 6, two fragments, inner SGD lr 1, outer SGD lr 2, gradient 2, weight 1), whose fixtures
+land fragment 0 after steps 3, 9, 15 and fragment 1 after 6, 12 and hold −7 (τ = 1, α = 0), −6
+(τ = 1, α = 0.5) and −11 (τ = 0) after step 3 (read from torchft's fixture files by hand, worked
+again below; the α = 0.25 case is ours); plain DiLoCo for one fragment; a hand-written loop.
+The 2-rank checks (the average over ranks on the background lane, FP32 and FP8; the bytes) are in
 ``mpi_lordo.py``.
 """
 
@@ -192,20 +193,23 @@ def _bad():
         ({"fragments": 3, "sync_every": 8}, ValueError, "sync_every=8 is not a multiple of the 3 fragments"),
         ({"fragments": 5, "sync_every": 10}, ValueError, "fragments=5 is more than the 4 parameters"),
         ({"fragments": 0}, ValueError, "fragments"),
-        ({"fragments": "2"}, TypeError, "fragments must be a number or a list"),
+        ({"fragments": "2"}, TypeError, "fragments must be an int \\(how many\\) or a list of lists"),
+        ({"fragments": 2.0}, TypeError, "got float 2.0"),
         ({"fragments": [names[:2], names[1:]]}, ValueError, "'0.bias' is in fragments 0 and 1"),
         ({"fragments": names}, TypeError, "fragments\\[0\\] is str '0.weight', not a list of parameter names"),
         ({"fragments": [names[:2], ["nope"]]}, ValueError, "names 'nope', which is not a parameter"),
         ({"fragments": [names[:3]]}, ValueError, r"1 parameters are in no fragment \(first: \['2.bias'\]\)"),
         ({"fragments": 2, "sync_every": 8, "fragment_sync_delay": 4}, ValueError,
-         "delay=4 must be an int with 0 <= delay < sync_every / fragments = 4"),
-        ({"fragment_sync_delay": -1}, ValueError, "delay=-1"),
-        ({"fragment_update_alpha": 1.5}, ValueError, r"alpha=1.5 must lie in \[0, 1\]"),
+         "fragment_sync_delay \\(τ\\) = 4 must be an int with 0 <= τ < sync_every / fragments = 4"),
+        ({"fragment_sync_delay": -1}, ValueError, "fragment_sync_delay \\(τ\\) = -1"),
+        ({"fragment_update_alpha": 1.5}, ValueError, r"fragment_update_alpha \(α\) = 1.5 must be a number in \[0, 1\]"),
+        ({"fragment_update_alpha": "0.5"}, ValueError, r"fragment_update_alpha \(α\) = '0.5' must be a number"),
+        ({"fragment_update_alpha": float("nan")}, ValueError, r"fragment_update_alpha \(α\) = nan"),
         ({"fragments": 2, "average_moments": True}, ValueError, "average_moments=True is not supported"),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(15))
 def test_bad_arguments_are_refused_naming_them(case):
     kwargs, error, match = _bad()[case]
     model = make_model()
@@ -285,3 +289,44 @@ def test_the_user_guide_example_runs():
     assert len(opt.fragments) == 4 and opt._sync.delay == 1 and opt._sync.alpha == 0.5
     train(model, opt, range(16))
     assert opt._sync.syncs == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_rebind_keeps_a_factory_built_outer_optimizer_stepping(fragments):
+    def build():
+        model = make_model()
+        return model, hvd.DiLoCo(model.named_parameters(), lr=1e-2, sync_every=4, fragments=fragments,
+                                 outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
+
+    (model, opt), (twin, twin_opt) = build(), build()
+    train(model, opt, range(5))
+    train(twin, twin_opt, range(5))
+    opt._rebind()  # a healthy world, nothing in flight (no delay): training must go on exactly as without it
+    train(model, opt, range(5, 13))
+    train(twin, twin_opt, range(5, 13))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    assert all(torch.equal(a, b) for a, b in zip(opt._sync.reference.values(), twin_opt._sync.reference.values()))
+
+
+def test_checkpoints_refuse_another_shape_and_keep_one_codec_state():
+    def build(**kw):
+        model = make_model()
+        return model, hvd.DiLoCo(model.named_parameters(), lr=1e-2, sync_every=4, codec="ef+fp8-e4m3", **kw)
+
+    model, opt = build(fragments=2, fragment_sync_delay=1)
+    train(model, opt, range(5))
+    saved = opt.state_dict()
+    codec_states = [part["codec"]["codec"] for part in saved["commwire"]["schedule"]["parts"]]
+    assert codec_states[0] is not None and codec_states[1:] == [None]  # the fragments share one codec
+    for kw, match in (({}, "saved by DiLoCo with fragments"), ({"fragments": 2}, "fragment_sync_delay=1")):
+        other_model, other = build(**kw)
+        before = [p.clone() for p in other_model.parameters()]
+        with pytest.raises(ValueError, match=match):
+            other.load_state_dict(saved)
+        assert all(torch.equal(a, b) for a, b in zip(before, other_model.parameters()))
+    plain_model, plain = build()
+    train(plain_model, plain, range(2))
+    _, streaming = build(fragments=2)
+    with pytest.raises(ValueError, match="saved by DiLoCo without fragments"):
+        streaming.load_state_dict(plain.state_dict())
