@@ -16,7 +16,8 @@ averaged gradient, DiLoCo and LoRDO their local one. Arms (``ARMS``):
   each in flight for τ = 1 step, α = 0.5; ``streaming-diloco-nvfp4`` also sends
   its pseudo-gradients in NVFP4 (the paper's 4-bit outer gradients); its ablations
   ``diloco-fragments`` (the 4 fragments, blocking, no mixing) and ``diloco-delay-mix``
-  (the whole model in flight for a step, α = 0.5);
+  (the whole model in flight for a step, α = 0.5); ``diloco-outer-half``: DiLoCo with half
+  the outer learning rate (0.35);
 - extra LoRDO variants, off by default: ``lordo-broadcast`` (QH denominator
   broadcast instead of scalar), ``lordo-ef-none``, ``lordo-ef-lowrank``
   (optimizer state O(r(m+n))), ``lordo-warmup`` (the authors' DDP warm-up,
@@ -85,6 +86,8 @@ ARMS = {
     "diloco-fragments": Arm("DiLoCo in 4 fragments (τ=0, α=0)", "diloco", {"fragments": 4}),
     "diloco-delay-mix": Arm("DiLoCo, whole model, τ=1 α=0.5", "diloco",
                             {"fragment_sync_delay": 1, "fragment_update_alpha": 0.5}),
+    # Is α's gain an outer step's? α = 0.5 after a plain outer step halves how far the weights move.
+    "diloco-outer-half": Arm("DiLoCo, outer lr 0.35", "diloco", {"outer_lr": 0.35}),
     "lordo-broadcast": Arm("LoRDO, broadcast D", "lordo", {"qh_denominator": "broadcast"}),
     "lordo-ef-none": Arm("LoRDO, no EF", "lordo", {"error_feedback": "none"}),
     "lordo-ef-lowrank": Arm("LoRDO, rank-r EF", "lordo", {"error_feedback": "lowrank"}),
@@ -178,7 +181,7 @@ def build_optimizer(arm: Arm, model: Any, lr: float, setup: Setup) -> Any:
         inner = hvd.LowRankAdam([p for _, p in named], rank=setup.rank, refresh_every=setup.sync_every, **adam)
         return hvd.DistributedOptimizer(inner, named_parameters=named)
     if arm.family == "diloco":
-        return hvd.DiLoCo(named, sync_every=setup.sync_every, **outer, **adam, **arm.options)
+        return hvd.DiLoCo(named, sync_every=setup.sync_every, **{**outer, **adam, **arm.options})
     options = {"omega": setup.omega, "clip": setup.clip, "sync_states": setup.sync_states,
                "sync_every": setup.sync_every, **arm.options}
     if "switch_betas" in options:
