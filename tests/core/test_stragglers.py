@@ -2,7 +2,8 @@
 
 Tier 1: the scores and the text of a report from hand-made timings, the
 monitor's window on one rank, and bad arguments. Tier 2 (``mpi_stragglers.py``
-under mpiexec): the blocked time of real waits and the slow rank named.
+under mpiexec, 2 and 4 ranks over MPI, 2 over torch's gloo): the blocked time of
+real waits and the slow rank named.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def test_bad_arguments_are_refused(kwargs, match):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
-def test_stragglers_on_several_ranks(n):
-    run_mpi_pytest(n, "tests/core/mpi_stragglers.py", timeout=120)
+@pytest.mark.parametrize("n,transport", [(2, "mpi"), (4, "mpi"), (2, "torch")])
+def test_stragglers_on_several_ranks(n, transport):
+    run_mpi_pytest(n, "tests/core/mpi_stragglers.py", timeout=120, transport=transport)
 
 
 def test_the_user_guide_example_runs():

@@ -330,3 +330,11 @@ def test_checkpoints_refuse_another_shape_and_keep_one_codec_state():
     _, streaming = build(fragments=2)
     with pytest.raises(ValueError, match="saved by DiLoCo without fragments"):
         streaming.load_state_dict(plain.state_dict())
+
+
+@pytest.mark.mpi
+def test_streaming_on_two_ranks_over_torchs_gloo():
+    from mpi_helpers import run_mpi_pytest
+
+    # mpi_lordo.py's streaming tests (2 ranks over MPI run with the rest of that file): the lane over gloo
+    run_mpi_pytest(2, "tests/lordo/mpi_lordo.py", transport="torch", only="streaming", timeout=300)
