@@ -213,17 +213,16 @@ class Handle:
 
     def wait(self) -> Any:
         """Block until the operation completes and return its result."""
-        if not self._done:
-            with Blocked():
-                if self.watch is None:
+        if not self._done:  # wait_requests counts as blocked time itself
+            if self.watch is None:
+                wait_requests(self._requests)
+            else:
+                watchdog, comm_id, seq, op = self.watch
+                token = watchdog.enter(comm_id, seq, op, self.name)
+                try:
                     wait_requests(self._requests)
-                else:
-                    watchdog, comm_id, seq, op = self.watch
-                    token = watchdog.enter(comm_id, seq, op, self.name)
-                    try:
-                        wait_requests(self._requests)
-                    finally:
-                        watchdog.leave(token)
+                finally:
+                    watchdog.leave(token)
             self._complete()
         return self._result
 

@@ -402,7 +402,9 @@ class DiLoCo(_LocalOptimizer):
         targets = [(params[n] if self._outer_on_model else reference[n], n) for n in delta]
         mine = {id(t) for t, _ in targets}
         others = [p for g in self.outer_optimizer.param_groups for p in g["params"] if id(p) not in mine]
-        local = [params[n].clone() for _, n in targets] if self._outer_on_model else []
+        # The model's own tensors step from θ_ref; the local weights come back for the mixing (α > 0) only.
+        mixing = self._outer_on_model and isinstance(self._sync, StreamingSync) and self._sync.alpha > 0
+        local = [params[n].clone() for _, n in targets] if mixing else []
         saved = [t.grad for t, _ in targets] + [p.grad for p in others]
         for target, name in targets:
             if self._outer_on_model:
@@ -416,9 +418,10 @@ class DiLoCo(_LocalOptimizer):
             for t, grad in zip([t for t, _ in targets] + others, saved):
                 t.grad = grad  # the fused buffer behind delta is reused at the next sync
         if self._outer_on_model:
-            for (target, name), weights in zip(targets, local):
+            for target, name in targets:
                 reference[name].copy_(target)
-                target.copy_(weights)  # the local weights, for the schedule's restart (and mixing)
+            for (target, _), weights in zip(targets, local):
+                target.copy_(weights)  # the local weights, for the schedule's mixing
 
     def schedule_state_bytes(self) -> int:
         """Return the bytes of the reference weights and outer momentum, and of a given inner/outer optimizer."""
